@@ -1,0 +1,81 @@
+"""Every record of kda_aot in one table.
+
+A *program* is a kernel family (one folder under templates/), a *record* one rendered instance
+of it (template + parameters + arch), a *form* the name the runtime picks it by. Shipped records
+go to build.json and into the wheel; test-only records go to build.test.json and are built only
+when asked (KDA_AOT_TEST_RECORDS=1), to check a shipped record against another form.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Archs we render for. The wheel is built for one of them (setup.py, KDA_AOT_ARCH).
+ARCHS = ("sm_90a",)
+
+# nvcc flags common to every kernel unit; the -gencode pair follows from the arch.
+NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden")
+
+
+def gencode(arch: str) -> str:
+    """sm_90a -> -gencode=arch=compute_90a,code=sm_90a (the 'a' features need this form)."""
+    num = arch.removeprefix("sm_")
+    return f"-gencode=arch=compute_{num},code=sm_{num}"
+
+
+@dataclass(frozen=True)
+class Record:
+    program: str          # templates/<program>/ holds kernel.cu.j2 and binding.cpp.j2
+    form: str             # what the runtime selects by
+    params: dict          # rendered into the templates; part of the hash
+    select: str           # when the runtime picks this form
+    grid: str             # the launch grid, as a formula
+    shipped: bool = True  # build.json (wheel) or build.test.json (tests only)
+    arch: str = "sm_90a"
+    toolkit_floor: str = "12.3"   # oldest CUDA toolkit known to compile it
+    extra_flags: tuple = field(default_factory=tuple)
+
+    @property
+    def module(self) -> str:
+        """Python extension module the record compiles to (one per (program, form) per wheel)."""
+        return f"kda_aot._lib._{self.program}__{self.form}"
+
+    @property
+    def flags(self) -> tuple:
+        return NVCC_FLAGS + (gencode(self.arch),) + tuple(self.extra_flags)
+
+
+_CONV_GRID = "ceil(ceil(T / tokens_per_thread) * D / channels / threads) CTAs of `threads`; thread = (token tile, channels)"
+
+RECORDS: tuple[Record, ...] = (
+    Record(
+        program="conv1d_silu_fwd", form="default",
+        params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 4, "min_blocks": 3},
+        select="always (the only shipped form)",
+        grid=_CONV_GRID,
+    ),
+    Record(
+        program="conv1d_silu_bwd", form="default",
+        params={"threads": 128, "tokens_per_thread": 512, "channels": 4, "unroll": 4, "min_blocks": 2, "reduce_threads": 256},
+        select="always (the only shipped form)",
+        grid=_CONV_GRID + "; then ceil(5 * D / reduce_threads) CTAs reduce dweight/dbias over tiles",
+    ),
+    # Short tiles put a tile edge every few tokens: tests check these records bitwise against the
+    # shipped ones, which proves the tile-edge and document-edge logic of the window walk.
+    Record(
+        program="conv1d_silu_fwd", form="short_tiles",
+        params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1},
+        select="tests only (bitwise check of tile edges)",
+        grid=_CONV_GRID, shipped=False,
+    ),
+    Record(
+        program="conv1d_silu_bwd", form="short_tiles",
+        params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 3, "min_blocks": 1, "reduce_threads": 128},
+        select="tests only (tile edges; dweight/dbias differ in summation order only)",
+        grid=_CONV_GRID + "; then ceil(5 * D / reduce_threads) CTAs reduce dweight/dbias over tiles",
+        shipped=False,
+    ),
+)
+
+
+def records(arch: str | None = None) -> list[Record]:
+    return [r for r in RECORDS if arch is None or r.arch == arch]

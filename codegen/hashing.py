@@ -1,0 +1,63 @@
+"""Content hash of a record: everything that decides its generated files, nothing else.
+
+Inputs: the program's template files, every header of ours they include (transitively, by
+relative path under templates/), the parameters, the arch and the flags. No absolute paths,
+no timestamps, keys sorted: the hash is the same on any machine and under any PYTHONHASHSEED.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+from . import TEMPLATES
+from .catalog import Record
+
+TEMPLATE_FILES = ("kernel.cu.j2", "binding.cpp.j2")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _rel(path) -> str:
+    return path.relative_to(TEMPLATES.parent).as_posix()
+
+
+def our_includes(text: str, seen: dict[str, str]) -> None:
+    """Add every `#include "x"` that resolves under templates/ (recursively) to `seen`."""
+    for name in _INCLUDE.findall(text):
+        path = TEMPLATES / name
+        if not path.is_file():
+            continue  # not ours (e.g. a system or pybind11 header in quotes)
+        key = _rel(path)
+        if key in seen:
+            continue
+        data = path.read_bytes()
+        seen[key] = sha256_bytes(data)
+        our_includes(data.decode(), seen)
+
+
+def dependencies(record: Record) -> dict[str, str]:
+    """{relative path: sha256} of the template files and the headers they include."""
+    deps: dict[str, str] = {}
+    for fname in TEMPLATE_FILES:
+        path = TEMPLATES / record.program / fname
+        data = path.read_bytes()
+        deps[_rel(path)] = sha256_bytes(data)
+        our_includes(data.decode(), deps)
+    return dict(sorted(deps.items()))
+
+
+def record_hash(record: Record) -> str:
+    payload = {
+        "program": record.program,
+        "form": record.form,
+        "arch": record.arch,
+        "params": record.params,
+        "flags": list(record.flags),
+        "depends": dependencies(record),
+    }
+    canon = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return sha256_bytes(canon.encode())

@@ -1,0 +1,58 @@
+"""Tensors -> the plain descriptors the bindings take, and checks that need torch.
+
+A descriptor is (data_ptr, dtype code, CUDA device index or -1, shape, strides in elements):
+bindings check everything about it themselves, so they need no torch headers.
+"""
+from __future__ import annotations
+
+import torch
+
+# Mirror of templates/common/abi.h (every binding exports DTYPE_CODES; tests compare the two).
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+    torch.float64: 5,
+}
+
+
+def describe(t: torch.Tensor | None, name: str):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}")
+    device = t.device.index if t.is_cuda else -1
+    return (t.data_ptr(), code, device, tuple(t.shape), tuple(t.stride()))
+
+
+def stream_of(t: torch.Tensor) -> int:
+    """Raw handle of the current stream of t's device (0 for a CPU tensor, which bindings refuse)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
+    """Validate document boundaries 0 = c_0 < c_1 < ... < c_N = total; returns them as a list.
+
+    The values are read on the host (one small device-to-host copy for a CUDA tensor).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{name}: expected shape [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: must start at 0, starts at {values[0]}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: must end at T = {total}, ends at {values[-1]}")
+    for i in range(1, len(values)):
+        if values[i] <= values[i - 1]:
+            raise ValueError(f"{name}: must be strictly increasing (empty or negative document at index "
+                             f"{i - 1}: {values[i - 1]} -> {values[i]})")
+    return values

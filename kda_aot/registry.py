@@ -1,0 +1,79 @@
+"""(program, form) -> the compiled library of that record for the running GPU's arch.
+
+The manifest is the source of truth: in a source checkout the repo's build.json and
+build.test.json, in an installed wheel the copy of build.json shipped beside the libraries.
+A library whose embedded record hash differs from the manifest's is stale and never loads.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+REPO = PACKAGE.parent
+BUILD_HINT = "python setup.py build_ext --inplace"
+TEST_BUILD_HINT = "KDA_AOT_TEST_RECORDS=1 python setup.py build_ext --inplace"
+CAPABILITY_ARCH = {(9, 0): "sm_90a"}  # compute capability -> the arch our records are rendered for
+
+
+class RecordError(RuntimeError):
+    """A record is unknown, not built, built for another arch, or stale."""
+
+
+def _manifest_files() -> list[Path]:
+    if (REPO / "codegen").is_dir() and (REPO / "build.json").is_file():
+        return [REPO / "build.json", REPO / "build.test.json"]
+    return [PACKAGE / "_lib" / "build.json"]
+
+
+@functools.lru_cache(maxsize=None)
+def records() -> tuple[dict, ...]:
+    out = []
+    for path in _manifest_files():
+        if path.is_file():
+            doc = json.loads(path.read_text())
+            out += [dict(r, shipped=doc["shipped"]) for r in doc["records"]]
+    if not out:
+        raise RecordError(f"no manifest found (looked for {[str(p) for p in _manifest_files()]})")
+    return tuple(out)
+
+
+def running_arch() -> str:
+    """Arch of the current CUDA device; without a GPU, KDA_AOT_ARCH or sm_90a (for loading only)."""
+    import torch
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        return CAPABILITY_ARCH.get(cap, f"sm_{cap[0]}{cap[1]}")
+    return os.environ.get("KDA_AOT_ARCH", "sm_90a")
+
+
+def record(program: str, form: str = "default", arch: str | None = None) -> dict:
+    arch = arch or running_arch()
+    matches = [r for r in records() if r["program"] == program and r["form"] == form]
+    if not matches:
+        known = sorted({(r["program"], r["form"]) for r in records()})
+        raise RecordError(f"unknown record {program}/{form}; known: {known}")
+    for r in matches:
+        if r["arch"] == arch:
+            return r
+    raise RecordError(f"record {program}/{form} has no build for {arch} "
+                      f"(rendered for {sorted(r['arch'] for r in matches)})")
+
+
+@functools.lru_cache(maxsize=None)
+def library(program: str, form: str = "default"):
+    """The loaded extension module of (program, form), its hash checked against the manifest."""
+    rec = record(program, form)
+    hint = BUILD_HINT if rec["shipped"] else TEST_BUILD_HINT
+    name = f"{program}/{form} (record {rec['name']}, {rec['arch']})"
+    try:
+        mod = importlib.import_module(rec["module"])
+    except ImportError as e:
+        raise RecordError(f"{name} is not built ({e}); build it with `{hint}`") from None
+    if getattr(mod, "RECORD", None) != rec["name"] or getattr(mod, "ARCH", None) != rec["arch"]:
+        raise RecordError(f"{name}: the built library is stale (it holds record {getattr(mod, 'RECORD', '?')} "
+                          f"for {getattr(mod, 'ARCH', '?')}); rebuild with `{hint}`")
+    return mod

@@ -1,0 +1,90 @@
+// Device side of the width-4 causal conv1d + SiLU, shared by the forward and backward kernels.
+// A thread owns C channels (one 8- or 16-byte bf16 access) of a tile of consecutive tokens and walks
+// it in order, keeping the three previous inputs of the window in registers. The window restarts at
+// every segment start with the segment's halo (or zeros). Forward and backward evaluate the
+// pre-activation with the same function, so the backward recomputes it bitwise.
+#pragma once
+#include "common/conv1d_silu.h"
+#include "common/device.cuh"
+
+namespace kda {
+
+template <int C>
+struct ConvTaps {
+  float w[C][kConvWidth];  // w[c][j] multiplies x[t - 3 + j]
+  float b[C];
+};
+
+template <int C>
+struct ConvWindow {
+  float r[3][C];  // x[t-3], x[t-2], x[t-1] (zeros or halo before the segment start)
+};
+
+template <int C>
+__device__ __forceinline__ void zero(float (&f)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) f[c] = 0.f;
+}
+
+template <int C>
+__device__ __forceinline__ void load_taps(ConvTaps<C>& taps, const float* weight, const float* bias, int64_t ch0) {
+  const float4* w4 = reinterpret_cast<const float4*>(weight + ch0 * kConvWidth);
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const float4 v = __ldg(w4 + c);
+    taps.w[c][0] = v.x; taps.w[c][1] = v.y; taps.w[c][2] = v.z; taps.w[c][3] = v.w;
+  }
+#pragma unroll
+  for (int c = 0; c < C; ++c) taps.b[c] = bias ? __ldg(bias + ch0 + c) : 0.f;
+}
+
+// Window for the first token `t` of a walk inside segment `seg` = [s, e): positions before s read
+// the segment's halo (rows 0, 1, 2 = positions s-3, s-2, s-1) or zero.
+template <int C>
+__device__ __forceinline__ void load_window(ConvWindow<C>& win, const uint16_t* x, const uint16_t* halo, int64_t seg,
+                                            int64_t s, int64_t t, int64_t D, int64_t ch0) {
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const int64_t pos = t - 3 + k;
+    if (pos >= s) load_bf16<C>(win.r[k], x + pos * D + ch0);
+    else if (halo) load_bf16<C>(win.r[k], halo + (seg * 3 + pos - (s - 3)) * D + ch0);
+    else zero<C>(win.r[k]);
+  }
+}
+
+template <int C>
+__device__ __forceinline__ void push_window(ConvWindow<C>& win, const float (&x0)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    win.r[0][c] = win.r[1][c];
+    win.r[1][c] = win.r[2][c];
+    win.r[2][c] = x0[c];
+  }
+}
+
+// pre = b + w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t], in this order, fp32.
+template <int C>
+__device__ __forceinline__ void conv_pre(float (&pre)[C], const ConvTaps<C>& taps, const ConvWindow<C>& win,
+                                         const float (&x0)[C]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float a = taps.b[c];
+    a = fmaf(taps.w[c][0], win.r[0][c], a);
+    a = fmaf(taps.w[c][1], win.r[1][c], a);
+    a = fmaf(taps.w[c][2], win.r[2][c], a);
+    a = fmaf(taps.w[c][3], x0[c], a);
+    pre[c] = a;
+  }
+}
+
+__device__ __forceinline__ float sigmoid_f32(float p) { return 1.f / (1.f + expf(-p)); }
+
+__device__ __forceinline__ float silu(float p) { return p * sigmoid_f32(p); }
+
+// d silu(p) / dp = s (1 + p (1 - s)), s = sigmoid(p)
+__device__ __forceinline__ float silu_grad(float p) {
+  const float s = sigmoid_f32(p);
+  return s * (1.f + p * (1.f - s));
+}
+
+}  // namespace kda

@@ -1,0 +1,88 @@
+// Small device helpers shared by kernel units.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+namespace kda {
+
+// 16-byte read-only load (8 bf16) that bypasses L1 allocation for streaming rows.
+__device__ __forceinline__ uint4 load_nc_16(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint2 load_nc_8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void unpack_bf16x2(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// C consecutive bf16 (C = 4 or 8: one 8- or 16-byte access) <-> C floats.
+template <int C>
+__device__ __forceinline__ void load_bf16(float (&f)[C], const uint16_t* p) {
+  static_assert(C == 4 || C == 8, "4 or 8 bf16 per access");
+  if constexpr (C == 8) {
+    const uint4 v = load_nc_16(p);
+    unpack_bf16x2(v.x, f[0], f[1]); unpack_bf16x2(v.y, f[2], f[3]);
+    unpack_bf16x2(v.z, f[4], f[5]); unpack_bf16x2(v.w, f[6], f[7]);
+  } else {
+    const uint2 v = load_nc_8(p);
+    unpack_bf16x2(v.x, f[0], f[1]); unpack_bf16x2(v.y, f[2], f[3]);
+  }
+}
+
+template <int C>
+__device__ __forceinline__ void store_bf16(uint16_t* p, const float (&f)[C]) {
+  static_assert(C == 4 || C == 8, "4 or 8 bf16 per access");
+  if constexpr (C == 8) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]),
+                                              pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+  } else {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]));
+  }
+}
+
+// C consecutive floats (C a multiple of 4) to 16-byte aligned global memory.
+template <int C>
+__device__ __forceinline__ void store_f32(float* p, const float (&f)[C]) {
+  static_assert(C % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int i = 0; i < C / 4; ++i)
+    reinterpret_cast<float4*>(p)[i] = make_float4(f[4 * i], f[4 * i + 1], f[4 * i + 2], f[4 * i + 3]);
+}
+
+// Largest s in [0, n) with cu[s] <= t, for strictly increasing cu[0..n] with cu[0] = 0 <= t < cu[n].
+template <typename Idx>
+__device__ __forceinline__ int64_t find_segment(const Idx* cu, int64_t n, int64_t t) {
+  int64_t lo = 0, hi = n;  // invariant: cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(cu[mid]) <= t) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Launch epilogue of kernel units: report the launch error with its message.
+inline int launch_status(char* err, int errlen) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess && err && errlen > 0) snprintf(err, errlen, "%s", cudaGetErrorString(e));
+  return static_cast<int>(e);
+}
+
+}  // namespace kda

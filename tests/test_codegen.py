@@ -1,0 +1,134 @@
+"""Codegen: check/render round trips, determinism, hashing inputs, manifests, stale refusal."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+
+import jinja2
+import pytest
+
+from codegen import ROOT
+from codegen.catalog import RECORDS
+from codegen.hashing import record_hash
+from codegen.render import expected_tree, render_record
+
+TREE = ("codegen", "templates", "generated", "build.json", "build.test.json", "setup.py", "pyproject.toml")
+
+
+def run(args, cwd, env=None):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    for name in TREE:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, tmp_path / name)
+    return tmp_path
+
+
+def test_checked_in_tree_is_current():
+    proc = run(["-m", "codegen", "check"], ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_render_is_deterministic_across_hash_seeds():
+    dump = "import json, sys; from codegen.render import expected_tree; json.dump(expected_tree(), sys.stdout)"
+    outs = [run(["-c", dump], ROOT, {"PYTHONHASHSEED": seed}) for seed in ("0", "1", "98765")]
+    for p in outs:
+        assert p.returncode == 0, p.stderr
+    assert outs[0].stdout == outs[1].stdout == outs[2].stdout
+
+
+def test_no_absolute_paths_or_timestamps():
+    for path, text in expected_tree().items():
+        assert str(ROOT) not in text, path
+        assert "/root/" not in text and "/home/" not in text, path
+
+
+def test_check_reports_stale_missing_orphan_and_render_repairs(repo_copy):
+    gen = sorted((repo_copy / "generated").iterdir())
+    gen[0].write_text(gen[0].read_text() + "// edited by hand\n")
+    gen[1].unlink()
+    (repo_copy / "generated" / "deadbeefdeadbeef_kernel.cu").write_text("// orphan\n")
+    proc = run(["-m", "codegen", "check"], repo_copy)
+    assert proc.returncode == 1
+    assert f"stale: generated/{gen[0].name}" in proc.stdout
+    assert "+// edited by hand" not in proc.stdout and "-// edited by hand" in proc.stdout  # a readable diff
+    assert f"missing: generated/{gen[1].name}" in proc.stdout
+    assert "orphan: generated/deadbeefdeadbeef_kernel.cu" in proc.stdout
+    assert run(["-m", "codegen", "render"], repo_copy).returncode == 0
+    assert run(["-m", "codegen", "check"], repo_copy).returncode == 0
+    # render writes only what changed: a second render touches nothing
+    assert run(["-m", "codegen", "render"], repo_copy).stdout == ""
+
+
+def test_template_or_header_edit_renames_records(repo_copy):
+    header = repo_copy / "templates" / "common" / "conv1d_silu.h"
+    header.write_text(header.read_text() + "\n// a change\n")
+    proc = run(["-m", "codegen", "check"], repo_copy)
+    assert proc.returncode == 1
+    # every conv record includes the header: all of them get new names (missing) and old ones are orphans
+    n_conv = sum(r.program.startswith("conv1d_silu") for r in RECORDS)
+    assert proc.stdout.count("missing: generated/") == 2 * n_conv
+    assert proc.stdout.count("orphan: generated/") == 2 * n_conv
+    assert "stale: build.json" in proc.stdout and "stale: build.test.json" in proc.stdout
+
+
+def test_manifest_edit_is_detected(repo_copy):
+    doc = json.loads((repo_copy / "build.json").read_text())
+    doc["records"][0]["params"]["threads"] = 1
+    (repo_copy / "build.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    proc = run(["-m", "codegen", "check"], repo_copy)
+    assert proc.returncode == 1 and "stale: build.json" in proc.stdout
+
+
+def test_hash_covers_params_arch_and_flags():
+    rec = RECORDS[0]
+    base = record_hash(rec)
+    assert record_hash(replace(rec, params={**rec.params, "threads": rec.params["threads"] * 2})) != base
+    assert record_hash(replace(rec, arch="sm_100a")) != base
+    assert record_hash(replace(rec, extra_flags=("-DX=1",))) != base
+    assert record_hash(replace(rec, select="another rule")) == base  # not an input of the files
+
+
+def test_missing_parameter_is_an_error():
+    rec = RECORDS[0]
+    params = dict(rec.params)
+    params.pop("tokens_per_thread")
+    with pytest.raises(jinja2.UndefinedError):
+        render_record(replace(rec, params=params))
+
+
+def test_manifests_list_every_record_with_file_hashes():
+    shipped = json.loads((ROOT / "build.json").read_text())
+    test_only = json.loads((ROOT / "build.test.json").read_text())
+    assert shipped["shipped"] is True and test_only["shipped"] is False
+    entries = shipped["records"] + test_only["records"]
+    assert len(entries) == len(RECORDS)
+    assert {(e["program"], e["form"]) for e in shipped["records"]} == {
+        (r.program, r.form) for r in RECORDS if r.shipped}
+    for e in entries:
+        for key in ("name", "hash", "program", "form", "arch", "template", "params", "select", "grid",
+                    "files", "depends", "flags", "toolkit_floor", "module"):
+            assert key in e, (e["name"], key)
+        assert e["hash"].startswith(e["name"])
+        assert (ROOT / e["template"] / "kernel.cu.j2").is_file()
+        for path, digest in list(e["files"].items()) + list(e["depends"].items()):
+            assert hashlib.sha256((ROOT / path).read_bytes()).hexdigest() == digest, path
+        assert any(p.startswith("templates/common/") for p in e["depends"])  # our headers are inputs
+
+
+def test_setup_refuses_a_stale_tree(repo_copy):
+    gen = sorted((repo_copy / "generated").glob("*_kernel.cu"))[0]
+    gen.write_text(gen.read_text() + "// edited\n")
+    proc = run(["setup.py", "build_ext", "--inplace"], repo_copy, {"KDA_AOT_ARCH": "sm_90a"})
+    assert proc.returncode != 0
+    assert "generated/ is stale" in proc.stdout + proc.stderr

@@ -1,0 +1,92 @@
+"""Runtime registry: loading by (program, form), hash checks, clear errors, ABI agreement, wheel contents."""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from conftest import ROOT
+from kda_aot import registry
+from kda_aot._tensor import DTYPE_CODES
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    registry.library.cache_clear()
+    yield
+    registry.library.cache_clear()
+
+
+def built_records():
+    return [r for r in registry.records() if r["shipped"]]
+
+
+@pytest.mark.parametrize("rec", built_records(), ids=lambda r: f"{r['program']}/{r['form']}")
+def test_shipped_record_loads_with_matching_hash(rec):
+    lib = registry.library(rec["program"], rec["form"])
+    assert lib.RECORD == rec["name"] and lib.ARCH == rec["arch"]
+    assert lib.PROGRAM == rec["program"] and lib.FORM == rec["form"]
+
+
+def test_binding_dtype_codes_match_python():
+    for rec in built_records():
+        lib = registry.library(rec["program"], rec["form"])
+        assert lib.DTYPE_CODES == {str(dt).removeprefix("torch."): code for dt, code in DTYPE_CODES.items()}
+
+
+def test_unknown_record_names_it():
+    with pytest.raises(registry.RecordError, match="unknown record conv1d_silu_fwd/nope"):
+        registry.library("conv1d_silu_fwd", "nope")
+
+
+def test_other_arch_is_refused():
+    with pytest.raises(registry.RecordError, match="no build for sm_80"):
+        registry.record("conv1d_silu_fwd", "default", arch="sm_80")
+
+
+def _patched_records(monkeypatch, **change):
+    recs = tuple(dict(r, **change) if (r["program"], r["form"]) == ("conv1d_silu_fwd", "default") else r
+                 for r in registry.records())
+    monkeypatch.setattr(registry, "records", lambda: recs)
+
+
+def test_stale_library_is_refused_with_build_command(monkeypatch):
+    _patched_records(monkeypatch, name="0123456789abcdef")
+    with pytest.raises(registry.RecordError) as e:
+        registry.library("conv1d_silu_fwd", "default")
+    msg = str(e.value)
+    assert "conv1d_silu_fwd/default" in msg and "stale" in msg and registry.BUILD_HINT in msg
+
+
+def test_missing_library_names_record_and_command(monkeypatch):
+    _patched_records(monkeypatch, module="kda_aot._lib._not_built__default")
+    with pytest.raises(registry.RecordError, match=r"conv1d_silu_fwd/default .* is not built.*build_ext --inplace"):
+        registry.library("conv1d_silu_fwd", "default")
+
+
+def test_test_only_records_point_to_the_test_build():
+    test_only = [r for r in registry.records() if not r["shipped"]]
+    assert test_only, "the catalog has test-only records"
+    for r in test_only:
+        try:
+            registry.library(r["program"], r["form"])
+        except registry.RecordError as e:  # not built in this tree: the hint must say how
+            assert "KDA_AOT_TEST_RECORDS=1" in str(e)
+
+
+def test_wheel_ships_only_shipped_records_and_names_its_arch(tmp_path):
+    env = {**os.environ, "KDA_AOT_ARCH": "sm_90a", "KDA_AOT_TEST_RECORDS": "1"}
+    env.pop("KDA_AOT_PROGRAMS", None)
+    # KDA_AOT_TEST_RECORDS must not leak test records into a wheel: bdist_wheel ignores it.
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build", "--build-base", str(tmp_path / "build"),
+                           "bdist_wheel", "-d", str(tmp_path), "--bdist-dir", str(tmp_path / "bdist")],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    wheels = list(tmp_path.glob("kda_aot-*.whl"))
+    assert len(wheels) == 1 and "+sm90a" in wheels[0].name
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    modules = sorted(n.split("/")[-1].split(".")[0] for n in names if n.endswith(".so"))
+    shipped = sorted("_" + r["program"] + "__" + r["form"] for r in built_records())
+    assert modules == shipped
+    assert "kda_aot/_lib/build.json" in names
