@@ -1,0 +1,33 @@
+"""python -m kda_aot.bench conv [--pack Q1] [--iters N] [--out DIR]"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .common import write_rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kda_aot.bench")
+    p.add_argument("suite", choices=("conv",))
+    p.add_argument("--pack", default="Q1")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the benchmarks need one", file=sys.stderr)
+        return 2
+    from . import conv
+    rows = conv.run(pack=args.pack, iters=args.iters)
+    path = write_rows(rows, args.suite, args.out)
+    for r in rows:
+        print(json.dumps(r, sort_keys=True))
+    print(f"rows written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Timing and result rows shared by the benchmarks.
+
+Latency = median of CUDA-event times over steady iterations; arms are interleaved (each
+iteration runs every arm once, in turn) so that clock and thermal drift hit all arms alike.
+Rows follow DESIGN.md §5 and go to bench/results/<suite>-<date>-<commit>.jsonl.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def interleaved(arms: dict, iters: int = 20, warmup: int = 3) -> dict:
+    """{name: callable} -> {name: median ms}; every iteration times each arm once, in turn."""
+    for _ in range(warmup):
+        for fn in arms.values():
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in arms}
+    for _ in range(iters):
+        for name, fn in arms.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times[name].append(start.elapsed_time(stop))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2 ** 30
+
+
+def copy_ceiling_tbps(gib: float = 4.0, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes read + written, on a buffer far larger than L2."""
+    n = int(gib * 2 ** 30) // 4
+    a = torch.randn(n, device="cuda")
+    b = torch.empty_like(a)
+    ms = interleaved({"copy": lambda: b.copy_(a)}, iters=iters)["copy"]
+    del a, b
+    return 2 * n * 4 / (ms * 1e-3) / 1e12
+
+
+def row(suite: str, **fields) -> dict:
+    base = {
+        "suite": suite, "cp": 1, "layout": "none", "gpu": torch.cuda.get_device_name(),
+        "commit": commit(), "date": datetime.date.today().isoformat(),
+    }
+    base.update(fields)
+    return base
+
+
+def write_rows(rows: list[dict], suite: str, out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir or REPO / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{suite}-{datetime.date.today().isoformat()}-{commit()}.jsonl"
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,179 @@
+"""causal_conv1d_silu kernels on the GPU against the fp64 reference, bitwise form and run checks.
+
+Error bounds (elementwise, inputs are exact bf16/fp32 so the only errors are ours):
+- y and dx are bf16: round-to-nearest costs at most 2^-8 of |ref|; the fp32 work before it
+  (4 FMAs, expf, silu') adds ~1e-6 relative to the summands, covered by 1e-4 * max|ref|.
+- dweight, dbias, dhalo are fp32 sums of up to T products: norm-wise 1e-4 (a sequential fp32 sum
+  over n terms errs by at most ~n * 2^-24 relative; n <= 1024 per partial chain here).
+Outputs are poisoned with NaN first: an unwritten element fails every bound.
+"""
+import zlib
+
+import pytest
+import torch
+
+from conftest import SEED, gpu
+from kda_aot import causal_conv1d_silu, reference
+from kda_aot.conv import conv1d_silu_backward, conv1d_silu_forward
+
+pytestmark = gpu
+BF16_REL = 2.0 ** -8
+
+
+def rng(tag):
+    return torch.Generator(device="cuda").manual_seed((SEED * 1000003 + zlib.crc32(repr(tag).encode())) % 2 ** 63)
+
+
+def pack(lens, D, gen, *, halo=False, cu_dtype=torch.int32, bias=True):
+    T = sum(lens)
+    x = torch.randn(1, T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(D, 4, device="cuda", generator=gen) * 0.5
+    b = torch.randn(D, device="cuda", generator=gen) * 0.5 if bias else None
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(cu_dtype)
+    h = torch.randn(len(lens), 3, D, device="cuda", generator=gen).to(torch.bfloat16) if halo else None
+    dy = torch.randn(1, T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, w, b, cu, h, dy
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
+def run_kernels(x, w, b, cu, h, dy, form="default"):
+    N, D = cu.numel() - 1, x.shape[2]
+    y = conv1d_silu_forward(x, w, b, cu, h, out=poisoned(x.shape, torch.bfloat16), form=form)
+    out = {"dx": poisoned(x.shape, torch.bfloat16), "dweight": poisoned((D, 4), torch.float32)}
+    if b is not None:
+        out["dbias"] = poisoned((D,), torch.float32)
+    if h is not None:
+        out["dhalo"] = poisoned((N, 3, D), torch.float32)
+    dx, dw, db, dh = conv1d_silu_backward(x, w, b, cu, dy, h, need_dhalo=h is not None, out=out, form=form)
+    return y, dx, dw, db, dh
+
+
+def reference_grads(x, w, b, cu, h, dy):
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b, h)]
+    y = reference.conv1d_silu(leaves[0], leaves[1], leaves[2], cu_seqlens=cu.cpu(), halo=leaves[3])
+    y.backward(dy.double())
+    return (y.detach(),) + tuple(None if t is None else t.grad for t in leaves)
+
+
+def assert_bf16_close(got, ref, what):
+    assert torch.isfinite(got).all(), f"{what}: unwritten or non-finite elements"
+    err = (got.double() - ref).abs()
+    bound = BF16_REL * ref.abs() + 1e-4 * ref.abs().max()
+    bad = err > bound
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements out of bound, worst err {err.max().item():.3e} (seed {SEED})"
+
+
+def assert_f32_close(got, ref, what, rel=1e-4):
+    assert torch.isfinite(got).all(), f"{what}: unwritten or non-finite elements"
+    e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert e < rel, f"{what}: relative error {e:.3e} (seed {SEED})"
+
+
+PACKS = {
+    "tiny": [1, 2, 3, 4],
+    "edges": [63, 64, 65, 1, 2, 3, 4, 130],
+    "long": [1, 2, 3, 4, 63, 64, 65, 2000, 3001, 1],
+    "one_doc": [4099],
+}
+
+
+@pytest.mark.parametrize("name", list(PACKS))
+@pytest.mark.parametrize("D", [128, 136, 1024])
+@pytest.mark.parametrize("halo", [False, True])
+def test_matches_reference(name, D, halo):
+    x, w, b, cu, h, dy = pack(PACKS[name], D, rng((name, D, halo)), halo=halo)
+    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
+    ry, rdx, rdw, rdb, rdh = reference_grads(x, w, b, cu, h, dy)
+    assert_bf16_close(y, ry, "y")
+    assert_bf16_close(dx, rdx, "dx")
+    assert_f32_close(dw, rdw, "dweight")
+    assert_f32_close(db, rdb, "dbias")
+    if halo:
+        assert_f32_close(dh, rdh, "dhalo")
+
+
+@pytest.mark.parametrize("D", [3 * 32 * 128, 12288])
+def test_wide_channels(D):
+    x, w, b, cu, h, dy = pack([1, 63, 64, 65, 700, 1], D, rng(("wide", D)), halo=True, cu_dtype=torch.int64)
+    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
+    ry, rdx, rdw, rdb, rdh = reference_grads(x, w, b, cu, h, dy)
+    assert_bf16_close(y, ry, "y")
+    assert_bf16_close(dx, rdx, "dx")
+    assert_f32_close(dw, rdw, "dweight")
+    assert_f32_close(db, rdb, "dbias")
+    assert_f32_close(dh, rdh, "dhalo")
+
+
+def test_no_bias_int64_cu():
+    x, w, b, cu, h, dy = pack(PACKS["edges"], 256, rng("nobias"), bias=False, cu_dtype=torch.int64)
+    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
+    ry, rdx, rdw, _, _ = reference_grads(x, w, b, cu, h, dy)
+    assert db is None
+    assert_bf16_close(y, ry, "y")
+    assert_bf16_close(dx, rdx, "dx")
+    assert_f32_close(dw, rdw, "dweight")
+
+
+@pytest.mark.parametrize("halo", [False, True])
+def test_short_tiles_form_is_bitwise_equal(halo):
+    """Tile edges every 5 tokens (test-only record) change nothing but the dweight summation order."""
+    x, w, b, cu, h, dy = pack(PACKS["long"], 128, rng(("tiles", halo)), halo=halo)
+    a = run_kernels(x, w, b, cu, h, dy)
+    s = run_kernels(x, w, b, cu, h, dy, form="short_tiles")
+    assert torch.equal(a[0], s[0]) and torch.equal(a[1], s[1])
+    if halo:
+        assert torch.equal(a[4], s[4])
+    assert_f32_close(s[2], a[2].double(), "dweight", rel=1e-5)
+    assert_f32_close(s[3], a[3].double(), "dbias", rel=1e-5)
+
+
+def test_two_runs_are_bitwise_equal():
+    x, w, b, cu, h, dy = pack(PACKS["long"], 512, rng("determinism"), halo=True)
+    a = run_kernels(x, w, b, cu, h, dy)
+    c = run_kernels(x, w, b, cu, h, dy)
+    for u, v in zip(a, c):
+        assert torch.equal(u, v)
+
+
+def test_halo_continues_a_split_document():
+    """A document cut in two, the second part given the 3 tokens before it as halo, gives the same y."""
+    gen = rng("split")
+    x, w, b, cu, _, dy = pack([300], 128, gen)
+    whole = conv1d_silu_forward(x, w, b, cu)
+    cut = 101
+    cu2 = torch.tensor([0, cut, 300], device="cuda", dtype=torch.int32)
+    halo = torch.zeros(2, 3, 128, device="cuda", dtype=torch.bfloat16)
+    halo[1] = x[0, cut - 3:cut]
+    split = conv1d_silu_forward(x, w, b, cu2, halo)
+    assert torch.equal(whole, split)
+    # the halo gradient is exactly what the first part's tokens miss
+    dx_whole = conv1d_silu_backward(x, w, b, cu, dy)[0]
+    dx_split, _, _, dh = conv1d_silu_backward(x, w, b, cu2, dy, halo, need_dhalo=True)
+    fixed = dx_split.float()
+    fixed[0, cut - 3:cut] += dh[1]
+    assert_bf16_close(fixed.to(torch.bfloat16), dx_whole.double(), "dx with halo gradient returned")
+
+
+def test_autograd_op_matches_kernels_and_keeps_dtypes():
+    x, w, b, cu, h, dy = pack(PACKS["edges"], 128, rng("autograd"), halo=True)
+    xs = x.clone().requires_grad_()
+    wb = w.to(torch.bfloat16).requires_grad_()
+    bb = b.clone().requires_grad_()
+    hs = h.clone().requires_grad_()
+    y = causal_conv1d_silu(xs, wb, bb, cu_seqlens=cu, halo=hs)
+    y.backward(dy)
+    ky, kdx, kdw, kdb, kdh = run_kernels(x, wb.detach().float(), b, cu, h, dy)
+    assert torch.equal(y, ky) and torch.equal(xs.grad, kdx)
+    assert wb.grad.dtype == torch.bfloat16 and torch.equal(wb.grad, kdw.to(torch.bfloat16))
+    assert torch.equal(bb.grad, kdb) and torch.equal(hs.grad, kdh.to(torch.bfloat16))
+
+
+def test_nonfinite_input_gives_nonfinite_output_not_a_hang():
+    x, w, b, cu, h, dy = pack([10, 20], 128, rng("nan"))
+    x[0, 5, 3] = float("nan")
+    y = conv1d_silu_forward(x, w, b, cu)
+    assert torch.isnan(y[0, 5:9, 3]).all()
+    assert torch.isfinite(y[0, 10:, :]).all()  # the next document does not see it
