@@ -20,7 +20,7 @@ python3 setup.py -q build --build-base /tmp/wheel_build bdist_wheel -d /tmp/whee
 ls /tmp/wheel | tee -a "$OUT/env.txt"
 python3 -m pytest -q -rs tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_conv.py > "$OUT/sanitizer_$tool.log" 2>&1
+  PYTHONPATH=$PWD:${PYTHONPATH:-} compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_conv.py > "$OUT/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $? ($(grep -c 'ERROR SUMMARY: 0 errors\|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
   tail -3 "$OUT/sanitizer_$tool.log"
 done

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import SEED, gpu
-from kda_aot import causal_conv1d_silu, reference
+from kda_aot import causal_conv1d_silu, reference, registry
 from kda_aot.conv import conv1d_silu_backward, conv1d_silu_forward
 
 pytestmark = gpu
@@ -117,13 +117,21 @@ def test_no_bias_int64_cu():
     assert_f32_close(dw, rdw, "dweight")
 
 
+def variant_forms(program):
+    return [r["form"] for r in registry.records() if r["program"] == program and r["form"] != "default"]
+
+
+@pytest.mark.parametrize("fwd_form,bwd_form", list(zip(variant_forms("conv1d_silu_fwd"),
+                                                       variant_forms("conv1d_silu_bwd"))))
 @pytest.mark.parametrize("halo", [False, True])
-def test_short_tiles_form_is_bitwise_equal(halo):
-    """Tile edges every 5 tokens (test-only record) change nothing but the dweight summation order."""
+def test_variant_forms_are_bitwise_equal(fwd_form, bwd_form, halo):
+    """Other tilings (test-only records; short_tiles puts an edge every 5 tokens) change nothing but
+    the dweight/dbias summation order. A test-only record that is not built fails here, by design."""
     x, w, b, cu, h, dy = pack(PACKS["long"], 128, rng(("tiles", halo)), halo=halo)
     a = run_kernels(x, w, b, cu, h, dy)
-    s = run_kernels(x, w, b, cu, h, dy, form="short_tiles")
-    assert torch.equal(a[0], s[0]) and torch.equal(a[1], s[1])
+    y = conv1d_silu_forward(x, w, b, cu, h, out=poisoned(x.shape, torch.bfloat16), form=fwd_form)
+    s = run_kernels(x, w, b, cu, h, dy, form=bwd_form)
+    assert torch.equal(a[0], y) and torch.equal(a[1], s[1])
     if halo:
         assert torch.equal(a[4], s[4])
     assert_f32_close(s[2], a[2].double(), "dweight", rel=1e-5)
@@ -149,12 +157,15 @@ def test_halo_continues_a_split_document():
     halo[1] = x[0, cut - 3:cut]
     split = conv1d_silu_forward(x, w, b, cu2, halo)
     assert torch.equal(whole, split)
-    # the halo gradient is exactly what the first part's tokens miss
-    dx_whole = conv1d_silu_backward(x, w, b, cu, dy)[0]
+    # the halo gradient is exactly what the first part's tokens miss: dx_split + dhalo = dx of the whole
+    ref_dx = reference_grads(x, w, b, cu, None, dy)[1]
     dx_split, _, _, dh = conv1d_silu_backward(x, w, b, cu2, dy, halo, need_dhalo=True)
-    fixed = dx_split.float()
-    fixed[0, cut - 3:cut] += dh[1]
-    assert_bf16_close(fixed.to(torch.bfloat16), dx_whole.double(), "dx with halo gradient returned")
+    fixed = dx_split.double()
+    fixed[0, cut - 3:cut] += dh[1].double()
+    # one bf16 rounding, of dx_split, sits inside the sum
+    err = (fixed - ref_dx).abs()
+    bound = BF16_REL * (dx_split.double().abs() + ref_dx.abs()) + 1e-4 * ref_dx.abs().max()
+    assert not (err > bound).any(), f"worst err {err.max().item():.3e} (seed {SEED})"
 
 
 def test_autograd_op_matches_kernels_and_keeps_dtypes():

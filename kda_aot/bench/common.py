@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -18,6 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def commit() -> str:
+    """The checkout's commit (KDA_AOT_COMMIT where the tree travelled without .git)."""
+    if os.environ.get("KDA_AOT_COMMIT"):
+        return os.environ["KDA_AOT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, timeout=10)

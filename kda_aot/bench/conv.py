@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import registry
 from ..conv import causal_conv1d_silu, conv1d_silu_backward, conv1d_silu_forward
 from .common import copy_ceiling_tbps, interleaved, row
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
@@ -19,6 +20,19 @@ def fla_conv():
     except ImportError:
         return None
     return causal_conv1d
+
+
+def built_forms(program: str) -> list[str]:
+    """Forms of `program` whose libraries are built here (test-only variants when built with them)."""
+    forms = []
+    for rec in registry.records():
+        if rec["program"] == program and rec["form"] != "short_tiles":
+            try:
+                registry.library(program, rec["form"])
+                forms.append(rec["form"])
+            except registry.RecordError:
+                pass
+    return forms
 
 
 def run(pack: str = "Q1", D: int = 3 * HEADS_DEFAULT * HEAD_DIM, iters: int = 20) -> list[dict]:
@@ -41,9 +55,13 @@ def run(pack: str = "Q1", D: int = 3 * HEADS_DEFAULT * HEAD_DIM, iters: int = 20
         y = causal_conv1d_silu(x, w, b, cu_seqlens=cu)
         torch.autograd.grad(y, (x, w, b), dy)
 
-    arms = {"kda_aot/fwd": ours_fwd, "kda_aot/fwdbwd": ours_fwdbwd,
-            "kda_aot/fwd_kernel": lambda: conv1d_silu_forward(xd, w32, b32, cu),
-            "kda_aot/bwd_kernel": lambda: conv1d_silu_backward(xd, w32, b32, cu, dy)}
+    arms = {"kda_aot/fwd": ours_fwd, "kda_aot/fwdbwd": ours_fwdbwd}
+    for form in built_forms("conv1d_silu_fwd"):
+        arm = "kda_aot" if form == "default" else f"kda_aot:{form}"
+        arms[f"{arm}/fwd_kernel"] = lambda form=form: conv1d_silu_forward(xd, w32, b32, cu, form=form)
+    for form in built_forms("conv1d_silu_bwd"):
+        arm = "kda_aot" if form == "default" else f"kda_aot:{form}"
+        arms[f"{arm}/bwd_kernel"] = lambda form=form: conv1d_silu_backward(xd, w32, b32, cu, dy, form=form)
     fla = fla_conv()
     if fla is not None:
         def fla_fwd():

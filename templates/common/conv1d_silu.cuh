@@ -52,6 +52,15 @@ __device__ __forceinline__ void load_window(ConvWindow<C>& win, const uint16_t* 
   }
 }
 
+// Rows t .. t+U-1 (those below `end`) of a [T, D] bf16 tensor, channels ch0 .. ch0+C-1.
+template <int C, int U>
+__device__ __forceinline__ void load_rows(Bf16Vec<C> (&rows)[U], const uint16_t* base, int64_t t, int64_t end,
+                                          int64_t D, int64_t ch0) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (t + u < end) rows[u].load(base + (t + u) * D + ch0);
+}
+
 template <int C>
 __device__ __forceinline__ void push_window(ConvWindow<C>& win, const float (&x0)[C]) {
 #pragma unroll
@@ -77,7 +86,10 @@ __device__ __forceinline__ void conv_pre(float (&pre)[C], const ConvTaps<C>& tap
   }
 }
 
-__device__ __forceinline__ float sigmoid_f32(float p) { return 1.f / (1.f + expf(-p)); }
+// Hardware exp2 and reciprocal (a few ulp in fp32): the results are rounded to bf16 (y, dx) or summed
+// in fp32 (dweight), far coarser; the IEEE division and expf cost more instructions than the
+// memory-bound walk can hide. For p < -88, exp overflows to inf and sigmoid is 0, as it should be.
+__device__ __forceinline__ float sigmoid_f32(float p) { return __fdividef(1.f, 1.f + __expf(-p)); }
 
 __device__ __forceinline__ float silu(float p) { return p * sigmoid_f32(p); }
 

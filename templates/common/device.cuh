@@ -33,18 +33,34 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// C consecutive bf16 (C = 4 or 8: one 8- or 16-byte access) <-> C floats.
+// C consecutive bf16 as loaded (C = 4 or 8: one 8- or 16-byte access), kept packed in registers
+// until used so that many rows can be in flight per thread.
+template <int C>
+struct Bf16Vec {
+  static_assert(C == 4 || C == 8, "4 or 8 bf16 per access");
+  uint32_t w[C / 2];
+
+  __device__ __forceinline__ void load(const uint16_t* p) {
+    if constexpr (C == 8) {
+      const uint4 v = load_nc_16(p);
+      w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else {
+      const uint2 v = load_nc_8(p);
+      w[0] = v.x; w[1] = v.y;
+    }
+  }
+
+  __device__ __forceinline__ void unpack(float (&f)[C]) const {
+#pragma unroll
+    for (int i = 0; i < C / 2; ++i) unpack_bf16x2(w[i], f[2 * i], f[2 * i + 1]);
+  }
+};
+
 template <int C>
 __device__ __forceinline__ void load_bf16(float (&f)[C], const uint16_t* p) {
-  static_assert(C == 4 || C == 8, "4 or 8 bf16 per access");
-  if constexpr (C == 8) {
-    const uint4 v = load_nc_16(p);
-    unpack_bf16x2(v.x, f[0], f[1]); unpack_bf16x2(v.y, f[2], f[3]);
-    unpack_bf16x2(v.z, f[4], f[5]); unpack_bf16x2(v.w, f[6], f[7]);
-  } else {
-    const uint2 v = load_nc_8(p);
-    unpack_bf16x2(v.x, f[0], f[1]); unpack_bf16x2(v.y, f[2], f[3]);
-  }
+  Bf16Vec<C> v;
+  v.load(p);
+  v.unpack(f);
 }
 
 template <int C>
