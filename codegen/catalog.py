@@ -64,7 +64,7 @@ RECORDS: tuple[Record, ...] = (
            params={"threads": 256, "tokens_per_thread": 64, "channels": 8, "unroll": 4, "min_blocks": 1},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
     Record(program=_BWD, form="u4",
-           params={"threads": 256, "tokens_per_thread": 512, "channels": 4, "unroll": 4, "min_blocks": 1,
+           params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 4, "min_blocks": 3,
                    "reduce_threads": 256},
            select=_VARIANT, grid=_BWD_GRID, shipped=False),
     # Short tiles put a tile edge every few tokens: bitwise checks against the shipped form prove the
