@@ -18,6 +18,7 @@ KDA_AOT_TEST_RECORDS=1 python3 setup.py -q build_ext --inplace 2>&1 | tail -20 |
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
 python3 setup.py -q build --build-base /tmp/wheel_build bdist_wheel -d /tmp/wheel 2>&1 | tail -5
 ls /tmp/wheel | tee -a "$OUT/env.txt"
+python3 -c "import torch, kda_aot; kda_aot.registry.library('conv1d_silu_fwd'); print(''.join(sorted({l.split()[-1] + chr(10) for l in open('/proc/self/maps') if 'libstdc++' in l})))" | tee -a "$OUT/env.txt"
 python3 -X faulthandler -m pytest -v -rs tests/test_conv_input.py 2>&1 | tee "$OUT/pytest_input.log" | grep -E "FAIL|Error|passed|failed|Fatal" | head -20
 python3 -X faulthandler -m pytest -q -rs tests --ignore=tests/test_conv_input.py "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 for tool in memcheck racecheck; do

@@ -7,7 +7,6 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,13 +29,12 @@ struct Tensor {
   }
 };
 
-template <typename T>
-inline std::string join(const std::vector<T>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
+// No iostreams: on the GPU machine a binding that formatted with std::ostringstream segfaulted inside
+// torch's Python while plain std::string formatting worked (suspected: another libstdc++ loaded first).
+inline std::string join(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
 }
 
 [[noreturn]] inline void fail_value(const std::string& msg) { throw py::value_error(msg); }
