@@ -27,3 +27,4 @@ for tool in memcheck racecheck; do
   tail -3 "$OUT/sanitizer_$tool.log"
 done
 python3 -m kda_aot.bench conv --out "$OUT" 2>&1 | tail -12
+python3 -m kda_aot.bench single --pack Q1 --iters 10 --out "$OUT" 2>&1 | tail -6

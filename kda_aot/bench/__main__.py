@@ -1,4 +1,4 @@
-"""python -m kda_aot.bench conv [--pack Q1] [--iters N] [--out DIR]"""
+"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--iters N] [--out DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -12,16 +12,21 @@ from .common import write_rows
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kda_aot.bench")
-    p.add_argument("suite", choices=("conv",))
+    p.add_argument("suite", choices=("conv", "single"))
     p.add_argument("--pack", default="Q1")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--heads", type=int, default=32)
     p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: the benchmarks need one", file=sys.stderr)
         return 2
-    from . import conv
-    rows = conv.run(pack=args.pack, iters=args.iters)
+    if args.suite == "conv":
+        from . import conv
+        rows = conv.run(pack=args.pack, iters=args.iters)
+    else:
+        from . import single
+        rows = single.run(packs=args.pack.split(","), H=args.heads, iters=args.iters)
     path = write_rows(rows, args.suite, args.out)
     for r in rows:
         print(json.dumps(r, sort_keys=True))

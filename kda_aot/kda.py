@@ -1,0 +1,89 @@
+"""Single-device chunked KDA on packed documents (DESIGN.md §2): the forward kernels.
+
+Shapes follow flash-linear-attention's `chunk_kda`: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128]
+fp32 (log decay per channel), beta [1, T, H] bf16, cu_seqlens [N + 1], initial/final state
+[N, H, 128, 128] fp32. The forward runs three programs: kda_fwd_chunk (chunk-parallel W, U,
+Aqk, ...), kda_fwd_tape (the sequential state walk, writing the fp32 state at every chunk start)
+and kda_fwd_out (the output stage).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import registry
+from ._tensor import check_cu_seqlens, describe, stream_of
+
+HEAD_DIM = 128
+CHUNK = 64
+MAX_HEADS = 64
+
+
+def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:
+    """Chunks of every segment in packed order: flat [(first token, end token), ...] and the first
+    chunk of each segment ([N + 1]). A chunk never crosses a segment; a segment's last may be short."""
+    chunks, seg_chunks = [], [0]
+    for start, end in zip(cu[:-1], cu[1:]):
+        for t in range(start, end, CHUNK):
+            chunks += (t, min(t + CHUNK, end))
+        seg_chunks.append(len(chunks) // 2)
+    return chunks, seg_chunks
+
+
+def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> list[int]:
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape [1, T, H, 128], got {list(q.shape)}")
+    T, H = q.shape[1], q.shape[2]
+    if H > MAX_HEADS:
+        raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
+    for name, t in (("k", k), ("v", v), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
+    if tuple(beta.shape) != (1, T, H):
+        raise ValueError(f"beta: expected shape [1, {T}, {H}], got {list(beta.shape)}")
+    cu = check_cu_seqlens(cu_seqlens, T)
+    if initial_state is not None and tuple(initial_state.shape) != (len(cu) - 1, H, HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"initial_state: expected shape [{len(cu) - 1}, {H}, 128, 128], "
+                         f"got {list(initial_state.shape)}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+    return cu
+
+
+def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                  out=None, tape_form="full"):
+    """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates
+    and the state tape. `out` may hold preallocated `o` / `final_state` (tests poison them)."""
+    cu = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    T, H = q.shape[1], q.shape[2]
+    N = len(cu) - 1
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    chunks, seg_chunks = chunk_table(cu)
+    C = len(chunks) // 2
+    dev = q.device
+    out = dict(out or {})
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    f32 = dict(device=dev, dtype=torch.float32)
+    t = {
+        "q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+        "chunks": torch.tensor(chunks, dtype=torch.int32).view(C, 2).to(dev, non_blocking=True),
+        "seg_chunks": torch.tensor(seg_chunks, dtype=torch.int32).to(dev, non_blocking=True),
+        "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
+        "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
+        "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),
+        "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32), "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16),
+        "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)),
+        "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
+                        if output_final_state else None),
+    }
+    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
+    stream = stream_of(q)
+    registry.library("kda_fwd_chunk").launch(desc, scale, stream)
+    registry.library("kda_fwd_tape", tape_form).launch(desc, scale, stream)
+    registry.library("kda_fwd_out").launch(desc, scale, stream)
+    return t["o"], t["final_state"], t

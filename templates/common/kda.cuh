@@ -1,0 +1,47 @@
+// Device helpers shared by the KDA kernels.
+#pragma once
+#include "common/device.cuh"
+#include "common/kda.h"
+#include "common/mma.cuh"
+
+namespace kda {
+
+constexpr int kPitch = kHeadDim + 8;  // bf16 row pitch of 128-wide shared tiles (ldmatrix: no bank conflicts)
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+
+// Rows [0, len) of one head of a token-major [T, H, 128] bf16 tensor into a [64][kPitch] shared
+// tile; rows [len, 64) are zero so that short chunks need no special cases in the products.
+__device__ __forceinline__ void load_chunk_rows(__nv_bfloat16 (*dst)[kPitch], const uint16_t* src, int64_t t0,
+                                                int len, int64_t H, int64_t h, int tid, int nthreads) {
+  for (int i = tid; i < kChunk * (kHeadDim / 8); i += nthreads) {
+    const int r = i / (kHeadDim / 8), col = (i % (kHeadDim / 8)) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < len) val = load_nc_16(src + ((t0 + r) * H + h) * kHeadDim + col);
+    *reinterpret_cast<uint4*>(&dst[r][col]) = val;
+  }
+}
+
+// Store rows [0, len) of a warp's 16 x 128 fp32 accumulator (16 n-tiles of 8) as bf16 into a
+// token-major [T, H, 128] tensor; the warp's rows are row0 .. row0 + 15 of the chunk.
+__device__ __forceinline__ void store_rows_bf16(uint16_t* dst, const float (&acc)[16][4], int64_t t0, int row0,
+                                                int len, int64_t H, int64_t h) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, tg = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + g8 + 8 * half;
+    if (r >= len) continue;
+    uint16_t* row = dst + ((t0 + r) * H + h) * kHeadDim;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+      *reinterpret_cast<uint32_t*>(row + nt * 8 + 2 * tg) = pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+}  // namespace kda

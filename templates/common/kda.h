@@ -1,0 +1,41 @@
+// Launch arguments of the single-device chunked KDA forward programs (kda_fwd_chunk,
+// kda_fwd_tape, kda_fwd_out). Layouts follow flash-linear-attention's chunk_kda: token-major
+// [T, H, 128] for q, k, v, g and every per-token intermediate; chunk-major [n_chunks, H, ...] for
+// per-chunk tensors. bf16 data is passed as raw 16-bit words.
+#pragma once
+#include <cstdint>
+
+namespace kda {
+
+constexpr int kHeadDim = 128;  // K = V = 128
+constexpr int kChunk = 64;     // tokens per chunk
+constexpr int kMaxHeads = 64;
+
+struct KdaFwdArgs {
+  // inputs
+  const uint16_t* q;            // [T, H, 128] bf16
+  const uint16_t* k;            // [T, H, 128] bf16
+  const uint16_t* v;            // [T, H, 128] bf16
+  const float* g;               // [T, H, 128] fp32 log decay (<= 0)
+  const uint16_t* beta;         // [T, H] bf16
+  const float* initial_state;   // [N, H, 128, 128] fp32 or null
+  const int32_t* chunks;        // [n_chunks, 2]: (first token, end token) of each chunk, packed order
+  const int32_t* seg_chunks;    // [N + 1]: first chunk of each segment
+  int64_t T, N, H, n_chunks;
+  float scale;
+  // kda_fwd_chunk outputs (chunk-parallel intermediates)
+  uint16_t* w;                  // [T, H, 128] bf16  W = T_c (K * exp(Gamma))
+  uint16_t* u;                  // [T, H, 128] bf16  U = T_c V
+  uint16_t* qg;                 // [T, H, 128] bf16  Q * exp(Gamma)
+  uint16_t* kg;                 // [T, H, 128] bf16  K * exp(gamma - Gamma)
+  uint16_t* aqk;                // [T, H, 64]  bf16  row i of the chunk's tril(Aqk)
+  float* gamma;                 // [n_chunks, H, 128] fp32: Gamma at the chunk's last token
+  // kda_fwd_tape outputs
+  float* tape;                  // [n_chunks, H, 128, 128] fp32: state at each chunk start
+  uint16_t* vnew;               // [T, H, 128] bf16  V' = U - W S
+  float* final_state;           // [N, H, 128, 128] fp32 or null
+  // kda_fwd_out output
+  uint16_t* o;                  // [T, H, 128] bf16
+};
+
+}  // namespace kda

@@ -1,0 +1,85 @@
+"""KDA forward kernels on the GPU against the fp64 reference.
+
+Error measure: relative RMS error ||out - ref|| / ||ref|| (as flash-linear-attention's tests).
+Bound 1e-2: inputs are exact bf16/fp32; our roundings are the bf16 intermediates (W, U, Q*exp
+Gamma, K*exp(gamma-Gamma), Aqk, V') and the bf16 operand copy of the state in the products,
+each ~2^-9 relative, a handful of them in series (~5e-3); the fp32 state itself does not drift.
+Outputs are poisoned with NaN first.
+"""
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SEED, gpu
+from kda_aot import reference
+from kda_aot.kda import chunk_kda_fwd
+
+pytestmark = gpu
+REL = 1e-2
+
+
+def rng(tag):
+    return torch.Generator(device="cuda").manual_seed((SEED * 1000003 + zlib.crc32(repr(tag).encode())) % 2 ** 63)
+
+
+def make(lens, H, gate, gen, init):
+    T = sum(lens)
+    dev = "cuda"
+    q = F.normalize(torch.randn(1, T, H, 128, device=dev, generator=gen), dim=-1).to(torch.bfloat16)
+    k = F.normalize(torch.randn(1, T, H, 128, device=dev, generator=gen), dim=-1).to(torch.bfloat16)
+    v = torch.randn(1, T, H, 128, device=dev, generator=gen).to(torch.bfloat16)
+    if gate == "neg5":
+        g = torch.full((1, T, H, 128), -5.0, device=dev)
+    elif gate == "zero":
+        g = torch.zeros(1, T, H, 128, device=dev)
+    elif gate == "mild":
+        g = -0.05 * torch.rand(1, T, H, 128, device=dev, generator=gen)
+    else:
+        g = -5 * torch.rand(1, T, H, 128, device=dev, generator=gen)
+    beta = torch.rand(1, T, H, device=dev, generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+    h0 = torch.randn(len(lens), H, 128, 128, device=dev, generator=gen) * 0.1 if init else None
+    return q, k, v, g, beta, cu, h0
+
+
+def rel_rms(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+PACKS = {"edges": [1, 63, 64, 65, 130, 2], "long": [1000, 1, 1537], "one": [64]}
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
+@pytest.mark.parametrize("init", [False, True])
+def test_forward_matches_reference(pack, H, gate, init):
+    q, k, v, g, beta, cu, h0 = make(PACKS[pack], H, gate, rng((pack, H, gate, init)), init)
+    T, N = q.shape[1], cu.numel() - 1
+    out = {"o": torch.full((1, T, H, 128), float("nan"), device="cuda", dtype=torch.bfloat16),
+           "final_state": torch.full((N, H, 128, 128), float("nan"), device="cuda")}
+    o, ht, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, out=out)
+    ro, rht = reference.kda_recurrent(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), cu_seqlens=cu.cpu(),
+                                      initial_state=None if h0 is None else h0.cpu(), output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "unwritten or non-finite outputs"
+    eo, eh = rel_rms(o.cpu(), ro), rel_rms(ht.cpu(), rht)
+    print(f"{pack} H={H} {gate} init={init}: o {eo:.2e} state {eh:.2e}")
+    assert eo < REL and eh < REL, f"o {eo:.3e} state {eh:.3e} (seed {SEED})"
+
+
+@pytest.mark.parametrize("H", [32, 64])
+def test_many_heads(H):
+    q, k, v, g, beta, cu, h0 = make([700, 65, 300], H, "rand", rng(("heads", H)), True)
+    o, ht, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    ro, rht = reference.kda_chunked(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), cu_seqlens=cu.cpu(),
+                                    initial_state=h0.cpu(), output_final_state=True)
+    assert rel_rms(o.cpu(), ro) < REL and rel_rms(ht.cpu(), rht) < REL
+
+
+def test_two_runs_bitwise():
+    q, k, v, g, beta, cu, h0 = make(PACKS["long"], 2, "rand", rng("det"), True)
+    a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    b = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
