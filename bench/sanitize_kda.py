@@ -1,0 +1,19 @@
+"""Small KDA forward run for compute-sanitizer (memcheck, racecheck): short and long documents,
+initial and final state."""
+import torch
+import torch.nn.functional as F
+
+from kda_aot.kda import chunk_kda_fwd
+
+lens, H = [1, 63, 64, 65, 200], 2
+T = sum(lens)
+q = F.normalize(torch.randn(1, T, H, 128, device="cuda"), dim=-1).to(torch.bfloat16)
+k = F.normalize(torch.randn(1, T, H, 128, device="cuda"), dim=-1).to(torch.bfloat16)
+v = torch.randn(1, T, H, 128, device="cuda").to(torch.bfloat16)
+g = -5 * torch.rand(1, T, H, 128, device="cuda")
+beta = torch.rand(1, T, H, device="cuda").to(torch.bfloat16)
+cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
+chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+torch.cuda.synchronize()
+print("sanitize_kda: ok")
