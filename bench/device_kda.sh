@@ -10,11 +10,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 t0=$(date +%s)
-KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_fwd_out python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
+KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -X faulthandler -m pytest -q -rs -s tests/test_kda_fwd_gpu.py "$@" 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "o [0-9]|passed|failed|Error|assert" | tail -40
 for tool in memcheck racecheck; do
   PYTHONPATH=$PWD:${PYTHONPATH:-} compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py > "$OUT/sanitizer_kda_$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $?"; tail -2 "$OUT/sanitizer_kda_$tool.log"
 done
+PYTHONPATH=$PWD:${PYTHONPATH:-} python3 bench/profile_kda.py Q1 32 2>&1 | grep -E "kda_|Self CUDA"
 python3 -m kda_aot.bench single --pack Q1 --iters 10 --out "$OUT" 2>&1 | tail -6

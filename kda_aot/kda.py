@@ -2,9 +2,9 @@
 
 Shapes follow flash-linear-attention's `chunk_kda`: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128]
 fp32 (log decay per channel), beta [1, T, H] bf16, cu_seqlens [N + 1], initial/final state
-[N, H, 128, 128] fp32. The forward runs three programs: kda_fwd_chunk (chunk-parallel W, U,
-Aqk, ...), kda_fwd_tape (the sequential state walk, writing the fp32 state at every chunk start)
-and kda_fwd_out (the output stage).
+[N, H, 128, 128] fp32. The forward runs two programs: kda_fwd_chunk (chunk-parallel W, U, Aqk,
+...) and kda_fwd_tape (the sequential state walk with the output stage fused; it also writes the
+fp32 state at every chunk start and V' when the saved-context backward needs them).
 """
 from __future__ import annotations
 
@@ -56,9 +56,10 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> list[int]:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  out=None, tape_form="full"):
-    """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates
-    and the state tape. `out` may hold preallocated `o` / `final_state` (tests poison them)."""
+                  save_tape=False, out=None, tape_form="full"):
+    """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates,
+    plus the fp32 state tape and V' when `save_tape`. `out` may hold preallocated `o` /
+    `final_state` (tests poison them)."""
     cu = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
     N = len(cu) - 1
@@ -76,7 +77,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),
-        "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32), "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16),
+        "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32) if save_tape else None,
+        "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16) if save_tape else None,
         "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)),
         "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                         if output_final_state else None),
@@ -85,5 +87,4 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     stream = stream_of(q)
     registry.library("kda_fwd_chunk").launch(desc, scale, stream)
     registry.library("kda_fwd_tape", tape_form).launch(desc, scale, stream)
-    registry.library("kda_fwd_out").launch(desc, scale, stream)
     return t["o"], t["final_state"], t

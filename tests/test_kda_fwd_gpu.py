@@ -83,3 +83,26 @@ def test_two_runs_bitwise():
     a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     b = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_saved_tape_is_the_state_at_each_chunk_start():
+    lens, H = PACKS["edges"], 2
+    q, k, v, g, beta, cu, h0 = make(lens, H, "mild", rng("tape"), True)
+    o_plain, _, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0)
+    o, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+    assert torch.equal(o, o_plain)  # keeping the tape changes nothing else
+    tape = saved["tape"].cpu()
+    chunks = saved["chunks"].cpu().tolist()
+    cpu = [x.cpu() for x in (q, k, v, g, beta)]
+    starts = cu.cpu().tolist()
+    for c, (t0, _) in enumerate(chunks):
+        doc = max(i for i in range(len(lens)) if starts[i] <= t0)
+        s = starts[doc]
+        if t0 == s:
+            ref = h0[doc].cpu().double()
+        else:
+            sl = [x[:, s:t0] for x in cpu]
+            _, ref = reference.kda_recurrent(*sl, cu_seqlens=[0, t0 - s], initial_state=h0[doc:doc + 1].cpu(),
+                                             output_final_state=True)
+            ref = ref[0]
+        assert rel_rms(tape[c], ref) < REL, f"chunk {c}"

@@ -45,3 +45,26 @@ __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 }
 
 }  // namespace kda
+
+namespace kda {
+
+// 16-byte global -> shared copy on the async path; `valid = false` writes zeros instead.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
+
+// Async version of load_chunk_rows for a [64][kPitch] tile (rows >= len zero-filled).
+__device__ __forceinline__ void cp_chunk_rows(__nv_bfloat16 (*dst)[kPitch], const uint16_t* src, int64_t t0, int len,
+                                              int64_t H, int64_t h, int tid, int nthreads) {
+  for (int i = tid; i < kChunk * (kHeadDim / 8); i += nthreads) {
+    const int r = i / (kHeadDim / 8), col = (i % (kHeadDim / 8)) * 8;
+    const bool valid = r < len;
+    cp_async_16(&dst[r][col], src + ((t0 + (valid ? r : 0)) * H + h) * kHeadDim + col, valid);
+  }
+}
+
+}  // namespace kda

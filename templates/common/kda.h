@@ -1,5 +1,5 @@
-// Launch arguments of the single-device chunked KDA forward programs (kda_fwd_chunk,
-// kda_fwd_tape, kda_fwd_out). Layouts follow flash-linear-attention's chunk_kda: token-major
+// Launch arguments of the single-device chunked KDA forward programs (kda_fwd_chunk: the
+// chunk-parallel stage; kda_fwd_tape: the state walk with the output stage fused). Layouts follow flash-linear-attention's chunk_kda: token-major
 // [T, H, 128] for q, k, v, g and every per-token intermediate; chunk-major [n_chunks, H, ...] for
 // per-chunk tensors. bf16 data is passed as raw 16-bit words.
 #pragma once
@@ -31,11 +31,10 @@ struct KdaFwdArgs {
   uint16_t* aqk;                // [T, H, 64]  bf16  row i of the chunk's tril(Aqk)
   float* gamma;                 // [n_chunks, H, 128] fp32: Gamma at the chunk's last token
   // kda_fwd_tape outputs
-  float* tape;                  // [n_chunks, H, 128, 128] fp32: state at each chunk start
-  uint16_t* vnew;               // [T, H, 128] bf16  V' = U - W S
-  float* final_state;           // [N, H, 128, 128] fp32 or null
-  // kda_fwd_out output
   uint16_t* o;                  // [T, H, 128] bf16
+  float* final_state;           // [N, H, 128, 128] fp32 or null
+  float* tape;                  // [n_chunks, H, 128, 128] fp32 state at each chunk start, or null
+  uint16_t* vnew;               // [T, H, 128] bf16 V' = U - W S, or null (both kept for the saved backward)
 };
 
 }  // namespace kda
