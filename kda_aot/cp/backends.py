@@ -1,0 +1,89 @@
+"""The local primitives a context-parallel KDA backend provides (the seam for the CUDA kernels).
+
+The CP op (ops.py) owns the plan, the exchanges, the composition and the autograd bookkeeping;
+a backend only computes on this rank's local tensors, segment by segment, with given entering
+states:
+
+    summary(k, v, g, beta, lo, hi)            -> (M [H, K, K], B [H, K, V]) in state_dtype,
+                                                 of the local tokens [lo, hi) (one fragment)
+    forward(q, k, v, g, beta, cu_local, states, scale, keep)
+                                              -> (o [1, T_l, H, V] state_dtype,
+                                                  finals [n, H, K, V] state_dtype, ctx)
+        one segment per local fragment (cu_local, at least one: the op never calls a backend
+        on a rank that holds no token), states [n, H, K, V] = entering states;
+        ctx (None unless keep) is whatever `backward` needs: "saved" mode keeps it from the
+        forward, "replay" mode calls forward(keep=True) again inside the backward.
+    backward(ctx, do, dfinals)                -> (dq, dk, dv, dg, dbeta, dstates), state_dtype
+        the local backward from (do, the gradient of each segment's exit state); may be called
+        more than once on one ctx (the op runs it with dS_out = 0, then with the true dS_out).
+
+For the CUDA backend: summary = offset walk + transfer (M) walk, forward(keep) = tape walk +
+output stage keeping the tape, backward = the backward walks.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import reference
+
+__all__ = ["ReferenceBackend", "get_backend"]
+
+
+class ReferenceBackend:
+    """kda_aot.reference in `dtype` (fp32 by default, like the kernels; fp64 for tight tests).
+    The backward is autograd through reference.kda_chunked."""
+    name = "reference"
+
+    def __init__(self, dtype: torch.dtype = torch.float32, chunk_size: int = 64):
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"ReferenceBackend: dtype must be float32 or float64, got {dtype}")
+        self.dtype = dtype
+        self.chunk_size = chunk_size
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def __repr__(self):
+        return f"ReferenceBackend(dtype={self.dtype}, chunk_size={self.chunk_size})"
+
+    def summary(self, k, v, g, beta, lo: int, hi: int):
+        return reference.fragment_summary(k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi],
+                                          chunk_size=self.chunk_size, dtype=self.dtype)
+
+    def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
+                scale: float, keep: bool):
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_(keep) for x in (q, k, v, g, beta, states)]
+            o, finals = reference.kda_chunked(*inputs[:5], cu_seqlens=list(cu_local), scale=scale,
+                                              initial_state=inputs[5], output_final_state=True,
+                                              chunk_size=self.chunk_size, dtype=self.dtype)
+        ctx = (inputs, o, finals) if keep else None
+        return o.detach(), finals.detach(), ctx
+
+    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
+        inputs, o, finals = ctx
+        grads = torch.autograd.grad((o, finals), inputs,
+                                    (do.to(self.dtype), dfinals.to(self.dtype)),
+                                    retain_graph=True, allow_unused=True)
+        return tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads))
+
+
+def get_backend(backend, dtype: Optional[torch.dtype] = None):
+    """'reference' | 'cuda' | a backend object -> a backend object."""
+    if isinstance(backend, str):
+        if backend == "reference":
+            return ReferenceBackend(dtype or torch.float32)
+        if backend == "cuda":
+            raise NotImplementedError(
+                "kda_aot.cp: backend='cuda' is not available yet: the context-parallel KDA walks "
+                "(offset/transfer/tape/backward kernels) are still being written (KDA CUDA kernels "
+                "issue); use backend='reference' meanwhile")
+        raise ValueError(f"unknown backend {backend!r}: valid backends are 'reference', 'cuda' "
+                         f"(or a backend object, see kda_aot.cp.backends)")
+    for attr in ("summary", "forward", "backward", "state_dtype", "name"):
+        if not hasattr(backend, attr):
+            raise TypeError(f"backend object {backend!r} lacks {attr!r} (see kda_aot.cp.backends)")
+    return backend

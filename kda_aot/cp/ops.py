@@ -1,0 +1,231 @@
+"""chunk_kda_cp: KDA over a packed sequence split across the ranks of a process group.
+
+Forward (per call, on every rank of the group, in the same order):
+    agreement check -> summaries of the local fragments that others wait for -> exchange
+    (one all_gather, fp32) -> compose the entering state of every local fragment -> local
+    chunked forward with those states -> o (+ final states of the documents that end here).
+Backward (mirrors it, see summaries.py for the maths and why no gradient through M is needed):
+    local backward with dS_out = 0 (only where a fragment's entering-state gradient is wanted
+    by a fragment before it) -> exchange (M, D) -> compose dS_out of every local fragment ->
+    local backward with the true dS_out -> grads of q, k, v, g, beta (and initial_state).
+
+Modes: "saved" keeps the forward's local context (autograd graph / tape) until the backward;
+"replay" keeps only the inputs and the entering states and recomputes the local forward and
+the local M's in the backward. Both run the same arithmetic on the same values, so their
+gradients are bitwise equal.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .backends import get_backend
+from .exchange import check_agreement, exchange
+from .plan import CPPlan
+from .summaries import (backward_payload_size, compose_entering_states, compose_exit_grads,
+                        exit_state, forward_payload_size)
+
+__all__ = ["chunk_kda_cp", "BACKWARD_MODES"]
+
+BACKWARD_MODES = ("replay", "saved")
+
+
+def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
+    """This rank's input problems as one message (None: fine). Never raises: a rank that
+    raised here alone would leave the others waiting in the agreement collective."""
+    try:
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            if not isinstance(t, torch.Tensor):
+                return f"{name}: expected a torch.Tensor, got {type(t).__name__}"
+        if q.dim() != 4 or q.shape[0] != 1:
+            return f"q must be [1, T_local, H, K], got {list(q.shape)}"
+        _, T, H, K = q.shape
+        V = v.shape[-1] if v.dim() == 4 else -1
+        if T != plan.num_local_tokens:
+            return (f"q holds {T} local tokens but the plan gives rank {plan.rank} "
+                    f"{plan.num_local_tokens} (layout {plan.layout})")
+        for name, t, shape in (("k", k, (1, T, H, K)), ("v", v, (1, T, H, V)),
+                               ("g", g, (1, T, H, K)), ("beta", beta, (1, T, H))):
+            if tuple(t.shape) != shape:
+                return f"{name} must be {list(shape)}, got {list(t.shape)}"
+        for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+            if t.device != q.device:
+                return f"{name} is on {t.device} but q is on {q.device}"
+        if initial_state is not None:
+            shape = (plan.num_docs, H, K, V)
+            if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != shape:
+                return (f"initial_state must be a tensor {list(shape)} (one row per global "
+                        f"document), got {getattr(initial_state, 'shape', initial_state)}")
+    except Exception as e:  # pragma: no cover - defensive: report instead of raising alone
+        return f"invalid input: {type(e).__name__}: {e}"
+    return None
+
+
+class _ChunkKdaCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final,
+                mode, backend):
+        H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+        sd = backend.state_dtype
+        local = plan.local_fragments
+
+        # 1. what the others wait for: (M, B) of middle fragments, exit states of first ones.
+        items, M_local = {}, {}
+        for f in local:
+            if f.is_last:
+                continue
+            M, B = backend.summary(k, v, g, beta, f.local_start, f.local_start + f.length)
+            if f.needs_state:
+                items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
+                M_local[f.index] = M
+            else:
+                S0 = None if initial_state is None else initial_state[f.doc]
+                items[f.index] = exit_state(M, B, S0)
+        published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
+
+        # 2. entering states of the local fragments, then the local forward.
+        S_in = compose_entering_states(plan, published, H, K, V, local)
+        states = [S_in[f.index].to(q.device) if f.needs_state else
+                  (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
+                   else initial_state[f.doc].to(sd))
+                  for f in local]
+        final = (torch.zeros(plan.num_docs, H, K, V, dtype=sd, device=q.device) if want_final
+                 else torch.zeros(0, dtype=sd, device=q.device))
+        if local:
+            states = torch.stack(states)
+            o, finals, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
+                                              scale, keep=(mode == "saved"))
+            if want_final:
+                for f in local:
+                    if f.is_last:
+                        final[f.doc] = finals[f.segment]
+            o = o.to(q.dtype)
+        else:
+            states, lctx = torch.zeros(0, H, K, V, dtype=sd, device=q.device), None
+            o = torch.zeros(1, 0, H, V, dtype=q.dtype, device=q.device)
+
+        ctx.cfg = (plan, group, scale, want_final, mode, backend, (H, K, V),
+                   initial_state is not None)
+        ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+        ctx.h0_dtype = None if initial_state is None else initial_state.dtype
+        if mode == "saved":
+            ctx.lctx, ctx.M_local = lctx, M_local
+            ctx.save_for_backward(states)
+        else:
+            ctx.save_for_backward(q, k, v, g, beta, states)
+        if not want_final:
+            ctx.mark_non_differentiable(final)
+        return o, final
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dfinal):
+        plan, group, scale, want_final, mode, backend, (H, K, V), has_h0 = ctx.cfg
+        sd = backend.state_dtype
+        local = plan.local_fragments
+        if mode == "saved":
+            (states,) = ctx.saved_tensors
+            lctx, M_local = ctx.lctx, ctx.M_local
+            ctx.lctx = ctx.M_local = None          # free the graph as soon as possible
+        else:
+            q, k, v, g, beta, states = ctx.saved_tensors
+            lctx, M_local = None, {}
+            if local:
+                # Replay: the same calls on the same values as the forward -> bitwise the same.
+                _, _, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
+                                             scale, keep=True)
+                for f in local:
+                    if f.needs_state and not f.is_last:
+                        M_local[f.index] = backend.summary(k, v, g, beta, f.local_start,
+                                                           f.local_start + f.length)[0]
+        device = do.device
+        # Exit-state gradients known locally: the final-state gradient of documents that end here.
+        known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)
+        if want_final and dfinal is not None:
+            for f in local:
+                if f.is_last:
+                    known[f.segment] = dfinal[f.doc].to(sd)
+
+        # 1. D (dS_out = 0) of the local fragments whose entering-state gradient others wait for.
+        first_pass = None
+        if any(f.needs_state for f in local):
+            first_pass = backend.backward(lctx, do, known)
+        items = {}
+        for f in local:
+            if f.needs_state:
+                D = first_pass[5][f.segment]
+                items[f.index] = D if f.is_last else torch.cat([M_local[f.index].reshape(-1),
+                                                                 D.reshape(-1)])
+        published = exchange(plan, group, backward_payload_size(H, K, V), items, sd, like=do)
+
+        # 2. true exit-state gradients, then the local backward with them.
+        dS_out = compose_exit_grads(plan, published, H, K, V, local)
+        n_dtypes = ctx.dtypes
+        if not local:
+            grads = [torch.zeros(1, 0, *shape, dtype=dt, device=device) for shape, dt in
+                     zip(((H, K), (H, K), (H, V), (H, K), (H,)), n_dtypes)]
+            dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
+                   if has_h0 else None)
+            return (*grads, dh0) + (None,) * 6
+        if any(not f.is_last for f in local) or first_pass is None:
+            true = known.clone()
+            for f in local:
+                if not f.is_last:
+                    true[f.segment] = dS_out[f.index].to(device)
+            final_pass = backend.backward(lctx, do, true)
+        else:   # every local fragment ends its document: the first pass already was the true one
+            final_pass = first_pass
+        grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], n_dtypes)]
+        dh0 = None
+        if has_h0:
+            # Rows of documents whose first fragment is here; zero elsewhere (an all_reduce(SUM)
+            # over the group gives the full initial-state gradient).
+            dh0 = torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
+            for f in local:
+                if f.position == 0:
+                    dh0[f.doc] = final_pass[5][f.segment].to(ctx.h0_dtype)
+        return (*grads, dh0) + (None,) * 6
+
+
+def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[float] = None,
+                 initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                 backward: str = "replay", backend="reference"):
+    """Context-parallel KDA on this rank's LOCAL shards. Collective: every rank of `group`
+    calls it with the same plan (built for its rank), in the same order; so is the backward.
+
+    q, k [1, T_local, H, K], v [1, T_local, H, V], g [1, T_local, H, K] (log decay, <= 0),
+    beta [1, T_local, H]; T_local = plan.num_local_tokens, tokens in plan.token_map order.
+    initial_state: [N, H, K, V] (one row per global document) or None; only the rows of the
+    documents whose first fragment is on this rank are read.
+    scale: defaults to K ** -0.5. backward: "replay" | "saved" (bitwise-equal gradients).
+    backend: "reference" (kda_aot.reference in fp32) | "cuda" (not yet) | a backend object.
+
+    Returns (o [1, T_local, H, V] in q's dtype, final_state or None). final_state is
+    [N, H, K, V] fp32 holding the final states of the documents whose last fragment is on this
+    rank, zero rows elsewhere (all_reduce(SUM) over the group gives all of them). Likewise the
+    gradient of initial_state has the rows of the documents that start on this rank.
+
+    Inputs, agreement: all ranks must agree on the plan, H, K, V and scale; a rank whose local
+    shapes do not match the plan, or a disagreement, raises a ValueError on every rank.
+    """
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
+    backend = get_backend(backend)
+    if not isinstance(plan, CPPlan):
+        raise TypeError(f"plan: expected a kda_aot.cp.CPPlan (see kda_aot.cp.make_plan), "
+                        f"got {type(plan).__name__}")
+    problem = _validate(q, k, v, g, beta, initial_state, plan)
+    shape = tuple(q.shape) if isinstance(q, torch.Tensor) else ()
+    K = shape[3] if len(shape) == 4 else 0
+    scale = K ** -0.5 if scale is None and K else scale
+    facts = {"H": shape[2] if len(shape) == 4 else None, "K": K or None,
+             "V": v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else None,
+             "scale": float(scale) if scale is not None else None,
+             "state dtype": backend.state_dtype, "backend": backend.name}
+    group, _, _ = check_agreement("chunk_kda_cp", plan, group, facts, problem,
+                                  q if isinstance(q, torch.Tensor) else None)
+    o, final = _ChunkKdaCP.apply(q, k, v, g, beta, initial_state, plan, group, float(scale),
+                                 bool(output_final_state), backward, backend)
+    return o, (final if output_final_state else None)

@@ -1,0 +1,160 @@
+"""PackedKDA: the KDA token mixer's trainable core over packed documents, one device or CP.
+
+    y_x = silu(causal_conv1d_4(x))            for x in q, k, v (depthwise, per document)
+    q, k <- q / |q|, k / |k| per head          (qk_l2norm)
+    o    = KDA(q, k, v, g, beta)               (DESIGN.md §2)
+
+Single device: pass cu_seqlens. Context parallel: pass a kda_aot.cp plan (and group) and this
+rank's local shards; the conv reads its halo through kda_aot.cp.conv_halo and KDA runs through
+kda_aot.cp.chunk_kda_cp. Projections, gates and output norm belong to the caller's layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import reference
+from .cp.halo import conv1d_silu_cp
+from .cp.backends import ReferenceBackend
+from .cp.ops import BACKWARD_MODES, chunk_kda_cp
+from .cp.plan import CPPlan
+
+__all__ = ["PackedKDA"]
+
+BACKENDS = ("reference", "cuda")
+L2NORM_EPS = 1e-6   # as flash-linear-attention's l2norm: x * rsqrt(sum x^2 + eps)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+class PackedKDA(nn.Module):
+    """Causal conv1d + SiLU on q, k, v, optional q/k L2 norm, then KDA.
+
+    Parameters: q_conv_weight, k_conv_weight, v_conv_weight [H * head_dim, 4] (and
+    q/k/v_conv_bias [H * head_dim] with conv_bias=True), the layout of
+    flash-linear-attention's causal_conv1d.
+    backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
+    backend: "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
+    "cuda" (the conv runs kda_aot.causal_conv1d_silu; KDA raises NotImplementedError until
+    the KDA kernels land).
+    """
+
+    def __init__(self, num_heads: int, head_dim: int = 128, conv_bias: bool = False,
+                 qk_l2norm: bool = True, backward: str = "replay", backend: str = "reference"):
+        super().__init__()
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if num_heads < 1 or head_dim < 1:
+            raise ValueError(f"num_heads and head_dim must be >= 1, got {num_heads}, {head_dim}")
+        self.num_heads, self.head_dim = int(num_heads), int(head_dim)
+        self.qk_l2norm, self.backward_mode, self.backend = bool(qk_l2norm), backward, backend
+        D = self.num_heads * self.head_dim
+        width = reference.CONV_WIDTH
+        for name in ("q", "k", "v"):
+            self.register_parameter(f"{name}_conv_weight", nn.Parameter(torch.empty(D, width)))
+            self.register_parameter(f"{name}_conv_bias",
+                                    nn.Parameter(torch.empty(D)) if conv_bias else None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # nn.Conv1d's default for a depthwise width-4 conv: U(-1/sqrt(4), 1/sqrt(4)).
+        bound = 1.0 / math.sqrt(reference.CONV_WIDTH)
+        for name in ("q", "k", "v"):
+            nn.init.uniform_(getattr(self, f"{name}_conv_weight"), -bound, bound)
+            b = getattr(self, f"{name}_conv_bias")
+            if b is not None:
+                nn.init.uniform_(b, -bound, bound)
+
+    def extra_repr(self):
+        return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"conv_bias={self.q_conv_bias is not None}, qk_l2norm={self.qk_l2norm}, "
+                f"backward={self.backward_mode!r}, backend={self.backend!r}")
+
+    # ------------------------------------------------------------------ pieces
+    def _conv_fn(self, x):
+        """conv(x, weight, bias, cu_seqlens, halo) of the backend."""
+        if self.backend == "cuda":
+            from .conv import causal_conv1d_silu
+
+            def conv(x, w, b, cu_seqlens, halo):
+                cu = torch.as_tensor(cu_seqlens, dtype=torch.int32, device=x.device)
+                return causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=halo)
+            return conv
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+        def conv(x, w, b, cu_seqlens, halo):
+            return reference.conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, halo=halo, dtype=dtype)
+        return conv
+
+    def _check_call(self, q, k, v, cu_seqlens, plan, group):
+        if (cu_seqlens is None) == (plan is None):
+            raise ValueError("PackedKDA: give exactly one of cu_seqlens (single device) or "
+                             "plan (context parallel)")
+        if plan is None and group is not None:
+            raise ValueError("PackedKDA: group is only used with a plan")
+        D = self.num_heads * self.head_dim
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != 1 \
+                    or x.shape[2] != D or x.shape[1] != q.shape[1]:
+                raise ValueError(f"{name} must be [1, T, {D}] (H * head_dim, same T as q), got "
+                                 f"{list(getattr(x, 'shape', []))}")
+
+    def conv_qkv(self, q, k, v, *, cu_seqlens=None, plan: Optional[CPPlan] = None, group=None):
+        """The part before KDA: causal conv1d + SiLU of q, k, v (with the CP halo when a plan
+        is given; collective then) and the per-head L2 norm of q and k. Returns q, k, v as
+        [1, T, H, head_dim]: fp32 (fp64 for fp64 inputs) on the reference backend, the input
+        dtype on the CUDA backend."""
+        self._check_call(q, k, v, cu_seqlens, plan, group)
+        H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
+        out = []
+        for x, name in zip((q, k, v), "qkv"):
+            w, b = getattr(self, f"{name}_conv_weight"), getattr(self, f"{name}_conv_bias")
+            conv = self._conv_fn(x)
+            if plan is None:
+                y = conv(x, w, b, cu_seqlens, None)
+            else:   # halo exchange + conv; one collective per tensor, every rank joins
+                y = conv1d_silu_cp(x, w, b, plan=plan, group=group, conv=conv)
+            out.append(y.reshape(1, T, H, Dh))
+        qc, kc, vc = out
+        if self.qk_l2norm:
+            # In fp32 at least (a bf16 sum of 128 squares would lose the norm's low bits).
+            qc, kc = (_l2norm(x.float() if x.dtype != torch.float64 else x).to(x.dtype)
+                      for x in (qc, kc))
+        return qc, kc, vc
+
+    def forward(self, q, k, v, g, beta, *, cu_seqlens=None, plan: Optional[CPPlan] = None,
+                group=None, scale: Optional[float] = None,
+                initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False):
+        """q, k, v [1, T, H * head_dim], g [1, T, H, head_dim] fp32 (log decay <= 0),
+        beta [1, T, H]; with a plan, T is this rank's local token count (plan.token_map order).
+        Give cu_seqlens (single device) or plan (+ group; context parallel), not both.
+        Returns (o [1, T, H, head_dim] in q's dtype, final_state [N, H, head_dim, head_dim] or
+        None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
+        of the documents that end on this rank, zero elsewhere)."""
+        self._check_call(q, k, v, cu_seqlens, plan, group)
+        if self.backend == "cuda":
+            # Fail before the conv and before any collective (every rank runs the same module,
+            # so every rank raises). conv_qkv already runs the CUDA conv.
+            raise NotImplementedError(
+                "PackedKDA(backend='cuda'): the KDA CUDA kernels are not wired in yet (KDA "
+                "kernels issue); conv_qkv() runs the CUDA conv; use backend='reference' for "
+                "the whole layer meanwhile")
+        qc, kc, vc = self.conv_qkv(q, k, v, cu_seqlens=cu_seqlens, plan=plan, group=group)
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if plan is not None:
+            o, final = chunk_kda_cp(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
+                                    initial_state=initial_state,
+                                    output_final_state=output_final_state,
+                                    backward=self.backward_mode, backend=ReferenceBackend(dtype))
+        else:
+            o, final = reference.kda_chunked(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens,
+                                             scale=scale, initial_state=initial_state,
+                                             output_final_state=output_final_state, dtype=dtype)
+        return o.to(q.dtype), final

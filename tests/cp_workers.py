@@ -1,0 +1,173 @@
+"""Worker side of tests/test_cp_gloo.py: one spawned process per rank runs a list of cases.
+
+Process start-up (importing torch) dominates on a small CI machine, so each job spawns W
+processes once and runs every case of that world size in them. The parent prepares all inputs
+(global tensors) and the expected single-device results; the workers only run the CP code on
+their shards and hand their LOCAL results back through one file per rank, which the parent
+assembles with the plan (unshard) and checks. Not a test module (no test_ prefix).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kda_aot import cp, reference
+from kda_aot.nn import PackedKDA
+
+
+# ----------------------------------------------------------------------------- parent side
+
+def run_job(world_size: int, cases: list, workdir: str, timeout_s: float,
+            collective_timeout_s: float = 60.0) -> list:
+    """Spawn `world_size` gloo ranks (FileStore: no network port) that run `cases`; return the
+    per-rank result lists. Raises if the job does not finish within timeout_s (the processes
+    are then killed: a hang fails the test instead of blocking CI)."""
+    os.makedirs(workdir, exist_ok=True)
+    cases_path = os.path.join(workdir, "cases.pt")
+    torch.save(cases, cases_path)
+    store = os.path.join(workdir, "store")
+    ctx = mp.start_processes(_worker, args=(world_size, store, cases_path, workdir,
+                                            collective_timeout_s),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CP job with {world_size} ranks did not finish in {timeout_s} s")
+    finally:
+        for p in ctx.processes:            # only the processes this job started
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def _worker(rank, world_size, store, cases_path, workdir, collective_timeout_s):
+    torch.set_num_threads(1)     # W processes share a couple of cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    cases = torch.load(cases_path, weights_only=False)
+    results = {}
+    failed = False
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            results[case["name"]] = RUNNERS[case["kind"]](rank, case)
+            results[case["name"]]["seconds"] = time.perf_counter() - t0
+        except Exception:
+            # After an unexpected error the ranks may be out of step in their collectives:
+            # stop here (the others time out in their next collective and stop too).
+            results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
+            failed = True
+            break
+    torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
+    if not failed:
+        dist.destroy_process_group()
+
+
+def _leaf(x):
+    return x.detach().clone().requires_grad_(True)
+
+
+def _run_op(rank, case):
+    """chunk_kda_cp on the shards, both backward modes; loss = <o, wo> + <final, ws>."""
+    plan = cp.make_plan(case["cu"], case["layout"], group=dist.group.WORLD)
+    x = case["inputs"]
+    backend = cp.ReferenceBackend(case["state_dtype"])
+    out = {}
+    for mode in case["modes"]:
+        loc = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")]
+        h0 = _leaf(x["h0"])
+        o, s = cp.chunk_kda_cp(*loc, plan=plan, initial_state=h0, output_final_state=True,
+                               backward=mode, backend=backend)
+        loss = (o * plan.shard(x["wo"])).sum() + (s * x["ws"]).sum()
+        loss.backward()
+        out[mode] = {"o": o.detach(), "final": s.detach(), "dh0": h0.grad,
+                     **{"d" + n: t.grad for n, t in zip(("q", "k", "v", "g", "beta"), loc)}}
+    out["gathered_o"] = cp.gather(out[case["modes"][0]]["o"], plan)
+    return out
+
+
+def _run_module(rank, case):
+    """PackedKDA (conv + halo + L2 norm + CP KDA) on the shards, both backward modes."""
+    plan = cp.make_plan(case["cu"], case["layout"], group=dist.group.WORLD)
+    x = case["inputs"]
+    out = {}
+    for mode in case["modes"]:
+        m = PackedKDA(case["H"], case["head_dim"], conv_bias=True, backward=mode)
+        m.load_state_dict(case["state_dict"])
+        loc = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")]
+        o, _ = m(*loc, plan=plan)
+        (o * plan.shard(x["wo"])).sum().backward()
+        out[mode] = {"o": o.detach(),
+                     **{"d" + n: t.grad for n, t in zip(("q", "k", "v", "g", "beta"), loc)},
+                     **{"d" + n: p.grad for n, p in m.named_parameters()}}
+    return out
+
+
+def _run_conv(rank, case):
+    """The CP conv on the shard; loss = <y, wy>. A rank holding no token has no segment to
+    convolve: conv1d_silu_cp keeps its halo in the graph so that its collective backward runs."""
+    plan = cp.make_plan(case["cu"], case["layout"], group=dist.group.WORLD)
+    x = case["inputs"]
+    xl, w, b = _leaf(plan.shard(x["x"])), _leaf(x["w"]), _leaf(x["b"])
+    y = cp.conv1d_silu_cp(xl, w, b, plan=plan)
+    (y * plan.shard(x["wy"])).sum().backward()
+    out = {"y": y.detach(), "dx": xl.grad, "dw": w.grad, "db": b.grad}
+    # The plain formula (reference conv on the local segments with the exchanged halo).
+    halo = cp.conv_halo(xl.detach(), plan)
+    out["halo"] = halo
+    if plan.local_fragments:
+        y2 = reference.conv1d_silu(xl.detach(), w.detach(), b.detach(),
+                                   cu_seqlens=plan.local_cu_seqlens, halo=halo, dtype=xl.dtype)
+        out["y_formula_equal"] = torch.equal(y2, out["y"])
+    return out
+
+
+def _run_error(rank, case):
+    """Ranks that disagree: every rank must raise (no hang), then the group must still work."""
+    variant, W = case["variant"], dist.get_world_size()
+    cu, T = list(case["cu"]), case["cu"][-1]
+    layout = "contiguous"
+    if variant == "cu_seqlens" and rank == 1:
+        cu = [0, T // 2, T]                    # same T, other documents
+    if variant == "layout" and rank == W - 1:
+        layout = "zigzag"
+    if variant == "world_size" and rank == 0:
+        plan = cp.make_plan(cu, layout, world_size=W + 1, rank=0)
+    elif variant == "wrong_rank":
+        plan = cp.make_plan(cu, layout, world_size=W, rank=(rank + 1) % W)
+    else:
+        plan = cp.make_plan(cu, layout, group=dist.group.WORLD)
+    H, K = 2, 8
+    if variant == "heads" and rank == 0:
+        H = 3
+    n = plan.num_local_tokens - (1 if variant == "local_shape" and rank == W - 1 else 0)
+    q = torch.randn(1, n, H, K)
+    got = None
+    try:
+        if variant == "halo_layout":
+            if rank == 0:
+                plan = cp.make_plan(cu, "zigzag", group=dist.group.WORLD)
+            cp.conv_halo(torch.randn(1, plan.num_local_tokens, 8), plan)
+        else:
+            cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, n, H), plan=plan)
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        got = (type(e).__name__, str(e))
+    # The group must still be in step: a plain collective afterwards completes.
+    t = torch.tensor([rank], dtype=torch.int64)
+    dist.all_reduce(t)
+    return {"raised": got, "after": int(t)}
+
+
+RUNNERS = {"op": _run_op, "module": _run_module, "conv": _run_conv, "error": _run_error}

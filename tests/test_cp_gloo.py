@@ -1,0 +1,427 @@
+"""Context parallelism on CPU over gloo: CP == single device, values and gradients.
+
+Each world size W in {2, 3, 4, 8} is one spawned job (W processes, FileStore, no network
+port) running every case of that W; the parent builds the global inputs, computes the
+single-device results with kda_aot.reference, and checks what the ranks hand back (local
+results, assembled with the plan). Inputs are fresh every run: the seed is printed and
+KDA_TEST_SEED=<seed> replays a run.
+
+Error bound (fp32, the configuration the kernels use; K = V = 16, T = 384):
+    CP and single device compute the same maths with different roundings: the entering state
+    of a fragment is composed as M_{f-1} (... (M_1 S + B_1) ...) + B_{f-1} from fp32 summaries,
+    and contiguous/zigzag cut chunks at other places than the single-device walk. Composing n
+    fragments adds about n * K * 2^-24 (n <= 16 here: ~1.5e-5) relative error to a state, and
+    gradients pick up a few such terms. Measured over many seeds (see REL_BOUND_MEASURED):
+    outputs and final states <= ~2e-6, gradients <= ~1e-5 relative to the tensor's max.
+    The bound REL_BOUND = 1e-4 keeps a >= 10x margin over what we measured, and stays far
+    below what a wrong state passing gives (test_sensitivity: zeroing the entering states
+    moves the outputs by >= 1e-1 relative on these packs, 1000x the bound).
+fp64 run of the same cases (REL_BOUND_FP64 = 1e-11): checks the logic without fp32 noise.
+Saved vs replay: bitwise equal, always.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+import time
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+import cp_workers  # noqa: E402
+from kda_aot import cp, reference  # noqa: E402
+from kda_aot.nn import PackedKDA  # noqa: E402
+
+try:
+    from conftest import SEED
+except ImportError:  # run outside pytest's conftest discovery
+    SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+print(f"[test_cp_gloo] KDA_TEST_SEED={SEED}")
+
+REL_BOUND = 1e-4          # fp32 CP vs fp32 single device (see the module docstring)
+REL_BOUND_FP64 = 1e-11    # fp64 CP vs fp64 single device (measured ~1e-15)
+CONV_REL_BOUND = 2e-6     # conv: ulp-level (summation order of halo gradients, SiLU paths)
+JOB_TIMEOUT_S = 600       # a hang fails the test instead of blocking CI
+H, K = 2, 16
+T = 384                   # divisible by 2W for every W tested (contiguous/zigzag need it)
+
+# Packs (document lengths). Every W sees documents shorter than a rank's share (T / W), a
+# document spanning every rank ("long"), empty doc_zigzag pieces (documents of fewer than 2W
+# chunks) and, at W = 8, ranks holding no token at all and zigzag parts of 3 tokens, shorter
+# than the conv halo ("tiny", T = 48).
+PACKS = {
+    "mixed": [37, 5, 170, 1, 64, 107],
+    "long": [T],
+    "short": [3, 70, 1, 130, 2, 64, 50, 64],
+    "tiny": [20, 28],
+}
+
+
+def _random_pack():
+    g = torch.Generator().manual_seed(SEED ^ 0x5EED)
+    cuts = sorted(torch.randperm(T - 1, generator=g)[:6].add(1).tolist())
+    return [b - a for a, b in zip([0] + cuts, cuts + [T])]
+
+
+PACKS["random"] = _random_pack()
+LAYOUTS = cp.LAYOUTS
+# W = 8 runs one layout sweep on the packs that stress it most (start-up and CPU time).
+SWEEP = {2: list(PACKS), 3: list(PACKS), 4: list(PACKS), 8: ["long", "short", "tiny"]}
+FP64_PACKS = {2: ["mixed"], 3: ["random"], 4: ["short"], 8: ["tiny"]}
+ERROR_VARIANTS = ["cu_seqlens", "layout", "local_shape", "heads", "wrong_rank", "world_size",
+                  "halo_layout"]
+ERROR_WORLDS = (2, 3)
+
+
+def cu_of(lens):
+    return [0] + torch.tensor(lens).cumsum(0).tolist()
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def gen_for(*key):
+    seed = (SEED + zlib.crc32(repr(key).encode())) % (2 ** 63)
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- inputs / expected
+
+@functools.lru_cache(maxsize=None)
+def kda_inputs(pack, dtype):
+    """Global inputs. g is log-uniform in [-5, -0.007]: its slow channels keep a state alive
+    over hundreds of tokens, so the state passed between fragments matters (test_sensitivity)."""
+    gen = gen_for("kda", pack)
+    n = sum(PACKS[pack])
+    f64 = torch.float64
+    x = {"q": F.normalize(torch.randn(1, n, H, K, generator=gen, dtype=f64), dim=-1),
+         "k": F.normalize(torch.randn(1, n, H, K, generator=gen, dtype=f64), dim=-1),
+         "v": torch.randn(1, n, H, K, generator=gen, dtype=f64),
+         "g": -torch.exp(torch.empty(1, n, H, K, dtype=f64).uniform_(-5, 1.6, generator=gen)),
+         "beta": 0.01 + 0.98 * torch.rand(1, n, H, generator=gen, dtype=f64),
+         "h0": torch.randn(len(PACKS[pack]), H, K, K, generator=gen, dtype=f64),
+         "wo": torch.randn(1, n, H, K, generator=gen, dtype=f64),
+         "ws": torch.randn(len(PACKS[pack]), H, K, K, generator=gen, dtype=f64)}
+    return {k: v.to(dtype) for k, v in x.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def kda_expected(pack, dtype):
+    x = kda_inputs(pack, dtype)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0")}
+    o, s = reference.kda_chunked(*(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+                                 cu_seqlens=cu_of(PACKS[pack]), initial_state=leaves["h0"],
+                                 output_final_state=True, dtype=dtype)
+    ((o * x["wo"]).sum() + (s * x["ws"]).sum()).backward()
+    return {"o": o.detach(), "final": s.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
+
+
+@functools.lru_cache(maxsize=None)
+def module_inputs(pack):
+    gen = gen_for("module", pack)
+    n, D = sum(PACKS[pack]), H * K
+    torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    m = PackedKDA(H, K, conv_bias=True)
+    x = {"q": torch.randn(1, n, D, generator=gen), "k": torch.randn(1, n, D, generator=gen),
+         "v": torch.randn(1, n, D, generator=gen),
+         "g": -torch.exp(torch.empty(1, n, H, K).uniform_(-5, 1.6, generator=gen)),
+         "beta": torch.rand(1, n, H, generator=gen), "wo": torch.randn(1, n, H, K, generator=gen)}
+    return x, {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def module_expected(pack):
+    x, sd = module_inputs(pack)
+    m = PackedKDA(H, K, conv_bias=True)
+    m.load_state_dict(sd)
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")}
+    o, _ = m(*leaves.values(), cu_seqlens=cu_of(PACKS[pack]))
+    (o * x["wo"]).sum().backward()
+    return {"o": o.detach(), **{"d" + n: t.grad for n, t in leaves.items()},
+            **{"d" + n: p.grad for n, p in m.named_parameters()}}
+
+
+@functools.lru_cache(maxsize=None)
+def conv_inputs(pack):
+    gen = gen_for("conv", pack)
+    n, D = sum(PACKS[pack]), 24
+    return {"x": torch.randn(1, n, D, generator=gen), "w": torch.randn(D, 4, generator=gen),
+            "b": torch.randn(D, generator=gen), "wy": torch.randn(1, n, D, generator=gen)}
+
+
+@functools.lru_cache(maxsize=None)
+def conv_expected(pack):
+    x = conv_inputs(pack)
+    xx, w, b = (x[n].clone().requires_grad_(True) for n in ("x", "w", "b"))
+    y = reference.conv1d_silu(xx, w, b, cu_seqlens=cu_of(PACKS[pack]), dtype=torch.float32)
+    (y * x["wy"]).sum().backward()
+    return {"y": y.detach(), "dx": xx.grad, "dw": w.grad, "db": b.grad}
+
+
+# ----------------------------------------------------------------------------- the jobs
+
+def cases_for(W):
+    cases = []
+    for layout in LAYOUTS:
+        for pack in SWEEP[W]:
+            cu = cu_of(PACKS[pack])
+            cases.append({"kind": "op", "name": f"op/{layout}/{pack}", "layout": layout,
+                          "cu": cu, "inputs": kda_inputs(pack, torch.float32),
+                          "state_dtype": torch.float32, "modes": ["saved", "replay"]})
+            x, sd = module_inputs(pack)
+            cases.append({"kind": "module", "name": f"module/{layout}/{pack}", "layout": layout,
+                          "cu": cu, "inputs": x, "state_dict": sd, "H": H, "head_dim": K,
+                          "modes": ["saved", "replay"]})
+            cases.append({"kind": "conv", "name": f"conv/{layout}/{pack}", "layout": layout,
+                          "cu": cu, "inputs": conv_inputs(pack)})
+        for pack in FP64_PACKS[W]:
+            cases.append({"kind": "op", "name": f"op64/{layout}/{pack}", "layout": layout,
+                          "cu": cu_of(PACKS[pack]), "inputs": kda_inputs(pack, torch.float64),
+                          "state_dtype": torch.float64, "modes": ["replay"]})
+    if W in ERROR_WORLDS:
+        for variant in ERROR_VARIANTS:
+            cases.append({"kind": "error", "name": f"error/{variant}", "variant": variant,
+                          "cu": cu_of(PACKS["mixed"])})
+    return cases
+
+
+_JOBS = {}
+
+
+def job(W):
+    """Run (once per session) the job of world size W; results[name][rank]."""
+    if W not in _JOBS:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"kda_cp_w{W}_") as d:
+            per_rank = cp_workers.run_job(W, cases_for(W), d, JOB_TIMEOUT_S)
+        names = list(per_rank[0]) + [n for r in per_rank[1:] for n in r if n not in per_rank[0]]
+        _JOBS[W] = {n: [r.get(n, {"error": "missing (an earlier case failed)"}) for r in per_rank]
+                    for n in names}
+        print(f"[test_cp_gloo] W={W}: {len(names)} cases in {time.perf_counter() - t0:.1f} s")
+    return _JOBS[W]
+
+
+def results(W, name):
+    res = job(W).get(name)
+    assert res is not None, f"case {name} did not run at W={W} (seed {SEED})"
+    for r, out in enumerate(res):
+        assert "error" not in out, f"W={W} {name} (seed {SEED}):\n{out['error']}"
+    return res
+
+
+def plans(W, layout, pack):
+    return cp.make_plan(cu_of(PACKS[pack]), layout, world_size=W, rank=0)
+
+
+MEASURED = {}   # (kind, W, layout, pack, key) -> relative error; printed at the end
+
+
+def check_close(kind, W, layout, pack, key, got, want, bound):
+    assert torch.isfinite(got).all(), f"{kind} {key}: non-finite values (W={W} {layout} {pack}, seed {SEED})"
+    err = rel_err(got, want)
+    MEASURED[(kind, W, layout, pack, key)] = err
+    assert err < bound, (f"{kind} {key}: relative error {err:.2e} >= {bound:.0e} "
+                         f"(W={W} {layout} {pack} {PACKS[pack]}, seed {SEED})")
+
+
+def check_modes_bitwise(res, what):
+    for r, out in enumerate(res):
+        if "saved" not in out:
+            continue
+        for key, a in out["saved"].items():
+            b = out["replay"][key]
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
+                f"{what}: saved and replay differ in {key} on rank {r} (seed {SEED})"
+
+
+def grid(kind):
+    return [(W, layout, pack) for W in SWEEP for layout in LAYOUTS for pack in SWEEP[W]]
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("W,layout,pack", grid("op"))
+def test_kda_op_matches_single_device(W, layout, pack):
+    res = results(W, f"op/{layout}/{pack}")
+    plan = plans(W, layout, pack)
+    want = kda_expected(pack, torch.float32)
+    check_modes_bitwise(res, f"op W={W} {layout} {pack}")
+    loc = [r["saved"] for r in res]
+    for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        got = plan.unshard([x[key] for x in loc])
+        check_close("op", W, layout, pack, key, got, want[key], REL_BOUND)
+    # final states and the initial-state gradient: one owner per document row, zeros elsewhere
+    for key in ("final", "dh0"):
+        rows = torch.stack([x[key] for x in loc])                    # [W, N, H, K, V]
+        owners = (rows != 0).flatten(2).any(-1).sum(0)
+        assert (owners <= 1).all(), f"{key}: a document row is set on several ranks"
+        check_close("op", W, layout, pack, key, rows.sum(0), want[key], REL_BOUND)
+    # gather (collective) == unshard (pure)
+    for r in range(W):
+        assert torch.equal(res[r]["gathered_o"], plan.unshard([x["o"] for x in loc]))
+
+
+@pytest.mark.parametrize("W,layout,pack",
+                         [(W, lay, p) for W in FP64_PACKS for lay in LAYOUTS for p in FP64_PACKS[W]])
+def test_kda_op_fp64_exact(W, layout, pack):
+    """In fp64 the CP result equals the single-device one to rounding: the composition and
+    the gradient chain are the same maths, not an approximation."""
+    res = results(W, f"op64/{layout}/{pack}")
+    plan = plans(W, layout, pack)
+    want = kda_expected(pack, torch.float64)
+    loc = [r["replay"] for r in res]
+    for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        check_close("op64", W, layout, pack, key, plan.unshard([x[key] for x in loc]), want[key],
+                    REL_BOUND_FP64)
+    for key in ("final", "dh0"):
+        check_close("op64", W, layout, pack, key, torch.stack([x[key] for x in loc]).sum(0),
+                    want[key], REL_BOUND_FP64)
+
+
+@pytest.mark.parametrize("W,layout,pack", grid("module"))
+def test_module_matches_single_device(W, layout, pack):
+    res = results(W, f"module/{layout}/{pack}")
+    plan = plans(W, layout, pack)
+    want = module_expected(pack)
+    check_modes_bitwise(res, f"module W={W} {layout} {pack}")
+    loc = [r["saved"] for r in res]
+    for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        check_close("module", W, layout, pack, key, plan.unshard([x[key] for x in loc]),
+                    want[key], REL_BOUND)
+    for key in [k for k in want if k.endswith("_conv_weight") or k.endswith("_conv_bias")]:
+        # parameters are replicated: each rank holds its tokens' share of the gradient
+        got = sum(x[key] for x in loc)
+        check_close("module", W, layout, pack, key, got, want[key], REL_BOUND)
+
+
+@pytest.mark.parametrize("W,layout,pack", grid("conv"))
+def test_conv_halo_matches_single_device(W, layout, pack):
+    res = results(W, f"conv/{layout}/{pack}")
+    plan = plans(W, layout, pack)
+    want = conv_expected(pack)
+    x = conv_inputs(pack)["x"]
+    for r, out in enumerate(res):
+        # The halo holds exact copies of the tokens before each fragment (zeros before the
+        # document start), bitwise.
+        mine = plan.for_rank(r)
+        assert out["halo"].shape == (len(mine.local_fragments), 3, x.shape[-1])
+        for f in mine.local_fragments:
+            for j in range(3):
+                p = f.start - 3 + j
+                expect = x[0, p] if p >= mine.cu_seqlens[f.doc] else torch.zeros(x.shape[-1])
+                assert torch.equal(out["halo"][f.segment, j], expect), (r, f, j)
+    assert all(o.get("y_formula_equal", True) for o in res)
+    # Same arithmetic per element; only torch's vectorised-vs-tail SiLU paths (which depend on
+    # the segment lengths) may differ by an ulp, hence a bound and not bitwise.
+    check_close("conv", W, layout, pack, "y", plan.unshard([o["y"] for o in res]), want["y"],
+                CONV_REL_BOUND)
+    check_close("conv", W, layout, pack, "dx", plan.unshard([o["dx"] for o in res]), want["dx"],
+                CONV_REL_BOUND)
+    for key in ("dw", "db"):
+        check_close("conv", W, layout, pack, key, sum(o[key] for o in res), want[key],
+                    CONV_REL_BOUND)
+
+
+@pytest.mark.parametrize("variant", ERROR_VARIANTS)
+@pytest.mark.parametrize("W", ERROR_WORLDS)
+def test_disagreeing_ranks_raise_everywhere(W, variant):
+    res = results(W, f"error/{variant}")
+    for r, out in enumerate(res):
+        assert out["raised"] is not None, f"rank {r} did not raise ({variant})"
+        kind, msg = out["raised"]
+        assert kind == "ValueError", f"rank {r}: {kind}: {msg}"
+        assert "raised on every rank" in msg, msg
+        expect = {"cu_seqlens": "disagree on cu_seqlens", "layout": "disagree on layout",
+                  "local_shape": "local tokens", "heads": "disagree on H",
+                  "wrong_rank": "the plan was built for rank",
+                  "world_size": "disagree on world_size", "halo_layout": "disagree on layout"}
+        assert expect[variant] in msg, msg
+        assert out["after"] == W * (W - 1) // 2, "the group is out of step after the error"
+
+
+def test_sensitivity():
+    """The packs exercise the state passing: dropping the entering states (every fragment
+    starting from zero) moves the outputs far beyond REL_BOUND."""
+    for W, layout, pack in [(2, "contiguous", "long"), (4, "doc_zigzag", "long"),
+                            (3, "zigzag", "mixed")]:
+        plan = plans(W, layout, pack)
+        x = kda_inputs(pack, torch.float32)
+        cuts = [0] + [f.end for f in plan.fragments]
+        o_cut, _ = reference.kda_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                         cu_seqlens=cuts, dtype=torch.float32)
+        o, _ = reference.kda_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                     cu_seqlens=cu_of(PACKS[pack]), dtype=torch.float32)
+        assert rel_err(o_cut, o) > 1000 * REL_BOUND, (W, layout, pack, rel_err(o_cut, o))
+
+
+def test_world_size_one_in_process(tmp_path):
+    """W = 1 in this process: the plan is the single-device segmentation, so CP is bitwise the
+    single-device reference (same chunks, same states), and the collectives are trivial."""
+    import datetime
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        for layout in LAYOUTS:
+            plan = cp.make_plan(cu_of(PACKS["mixed"]), layout, group=dist.group.WORLD)
+            assert len(plan.fragments) == len(PACKS["mixed"])
+            x = kda_inputs("mixed", torch.float32)
+            leaves = [x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+            o, s = cp.chunk_kda_cp(*leaves, plan=plan, initial_state=x["h0"],
+                                   output_final_state=True)
+            want = kda_expected("mixed", torch.float32)
+            assert torch.equal(o, want["o"]) and torch.equal(s, want["final"])
+            ((o * x["wo"]).sum() + (s * x["ws"]).sum()).backward()
+            for n, t in zip(("q", "k", "v", "g", "beta"), leaves):
+                assert torch.equal(t.grad, want["d" + n]), n
+            assert torch.equal(cp.gather(o, plan), o)
+            # the module: its CP path (zero halos, one fragment per document) is bitwise its
+            # single-device path
+            xm, sd = module_inputs("mixed")
+            m = PackedKDA(H, K, conv_bias=True)
+            m.load_state_dict(sd)
+            args = [xm[n] for n in ("q", "k", "v", "g", "beta")]
+            o_cp, _ = m(*args, plan=plan)
+            o_sd, _ = m(*args, cu_seqlens=cu_of(PACKS["mixed"]))
+            assert torch.equal(o_cp, o_sd)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_not_initialised_is_a_clear_error():
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    plan = cp.make_plan([0, 8], "contiguous", world_size=2, rank=0)
+    q = torch.randn(1, 4, 1, 4)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, 4, 1), plan=plan)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        cp.conv_halo(torch.randn(1, 4, 8), plan)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        cp.make_plan([0, 8], "contiguous", group=object())
+
+
+def test_cuda_backend_not_yet():
+    plan = cp.make_plan([0, 8], "contiguous", world_size=1, rank=0)
+    q = torch.randn(1, 8, 1, 4)
+    with pytest.raises(NotImplementedError, match="cuda"):
+        cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, 8, 1), plan=plan, backend="cuda")
+    with pytest.raises(ValueError, match="backward must be one of"):
+        cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, 8, 1), plan=plan, backward="x")
+
+
+def test_zz_report_measured_errors():
+    """Prints the largest measured relative error per kind and key (run with -s to see it)."""
+    worst = {}
+    for (kind, W, layout, pack, key), e in MEASURED.items():
+        if e > worst.get((kind, key), (0,))[0]:
+            worst[(kind, key)] = (e, W, layout, pack)
+    for (kind, key), (e, W, layout, pack) in sorted(worst.items()):
+        print(f"[test_cp_gloo] max rel err {kind:7s} {key:18s} {e:.2e}  (W={W} {layout} {pack})")

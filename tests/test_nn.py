@@ -1,0 +1,173 @@
+"""Tests of kda_aot.nn.PackedKDA on one device (its CP path is tested in test_cp_gloo.py).
+
+Fresh inputs every run; the seed is printed (replay with KDA_TEST_SEED=<seed>).
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from kda_aot import reference
+from kda_aot.nn import PackedKDA
+
+try:
+    from conftest import SEED, gpu
+except ImportError:
+    SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+print(f"[test_nn] KDA_TEST_SEED={SEED}")
+
+F64 = torch.float64
+
+
+def gen_for(tag):
+    return torch.Generator().manual_seed((SEED + zlib.crc32(tag.encode())) % (2 ** 63))
+
+
+def inputs(tag, lens, H, Dh, dtype=torch.float32):
+    gen = gen_for(tag)
+    T = sum(lens)
+    x = [torch.randn(1, T, H * Dh, generator=gen, dtype=F64).to(dtype) for _ in range(3)]
+    g = -torch.exp(torch.empty(1, T, H, Dh, dtype=F64).uniform_(-5, 1.6, generator=gen)).to(dtype)
+    beta = torch.rand(1, T, H, generator=gen, dtype=F64).to(dtype)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    return x, g, beta, cu
+
+
+def module(H, Dh, tag, **kw):
+    torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen_for("init" + tag))))
+    return PackedKDA(H, Dh, **kw)
+
+
+def manual(m, q, k, v, g, beta, cu, dtype=F64):
+    """The layer written out with the reference pieces, independently of PackedKDA."""
+    H, Dh = m.num_heads, m.head_dim
+    outs = []
+    for x, n in zip((q, k, v), "qkv"):
+        y = reference.conv1d_silu(x, getattr(m, f"{n}_conv_weight"), getattr(m, f"{n}_conv_bias"),
+                                  cu_seqlens=cu, dtype=dtype)
+        outs.append(y.reshape(1, -1, H, Dh))
+    qc, kc, vc = outs
+    if m.qk_l2norm:
+        qc = qc / torch.sqrt((qc * qc).sum(-1, keepdim=True) + 1e-6)
+        kc = kc / torch.sqrt((kc * kc).sum(-1, keepdim=True) + 1e-6)
+    return reference.kda_chunked(qc, kc, vc, g, beta, cu_seqlens=cu, dtype=dtype)[0]
+
+
+def test_parameters_and_repr():
+    m = PackedKDA(4, 32)
+    names = dict(m.named_parameters())
+    assert set(names) == {"q_conv_weight", "k_conv_weight", "v_conv_weight"}
+    assert all(p.shape == (128, 4) for p in names.values())
+    assert all(p.abs().max() <= 0.5 for p in names.values())     # U(-1/2, 1/2) init
+    mb = PackedKDA(2, 8, conv_bias=True, qk_l2norm=False, backward="saved")
+    assert {n for n, _ in mb.named_parameters()} >= {"q_conv_bias", "k_conv_bias", "v_conv_bias"}
+    assert mb.v_conv_bias.shape == (16,)
+    assert "backward='saved'" in repr(mb) and "qk_l2norm=False" in repr(mb)
+    assert PackedKDA(1).q_conv_weight.shape == (128, 4)             # head_dim defaults to 128
+
+
+@pytest.mark.parametrize("conv_bias,qk_l2norm", [(False, True), (True, False), (True, True)])
+def test_matches_the_layer_written_out(conv_bias, qk_l2norm):
+    H, Dh, lens = 2, 16, [5, 70, 1, 64, 130]
+    (q, k, v), g, beta, cu = inputs(f"manual{conv_bias}{qk_l2norm}", lens, H, Dh, F64)
+    m = module(H, Dh, "m", conv_bias=conv_bias, qk_l2norm=qk_l2norm).double()
+    o, final = m(q, k, v, g, beta, cu_seqlens=cu)
+    assert o.shape == (1, sum(lens), H, Dh) and o.dtype == F64 and final is None
+    want = manual(m, q, k, v, g, beta, cu)
+    assert ((o - want).abs().max() / want.abs().max()).item() < 1e-12, f"seed {SEED}"
+
+
+def test_fp32_final_state_and_gradients_flow():
+    H, Dh, lens = 2, 16, [40, 100]
+    (q, k, v), g, beta, cu = inputs("grads", lens, H, Dh)
+    m = module(H, Dh, "g", conv_bias=True)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    h0 = torch.randn(len(lens), H, Dh, Dh, generator=gen_for("h0"), requires_grad=True)
+    o, final = m(*leaves, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.float32 and final.shape == (len(lens), H, Dh, Dh)
+    (o.square().sum() + final.sum()).backward()
+    for t in leaves + [h0] + list(m.parameters()):
+        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().max() > 0
+    # fp32 module vs the fp64 layer: the reference's fp32 rounding only
+    m64 = module(H, Dh, "g", conv_bias=True).double()
+    want = manual(m64, *(t.double() for t in (q, k, v, g, beta)), cu)
+    o32, _ = m(q, k, v, g, beta, cu_seqlens=cu)
+    assert ((o32.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_gradcheck_small():
+    H, Dh, lens = 1, 3, [2, 5]
+    (q, k, v), g, beta, cu = inputs("gradcheck", lens, H, Dh, F64)
+    m = module(H, Dh, "gc", conv_bias=True).double()
+    def manual_with(m, ps, q, k, v, g, beta, cu):
+        # the layer as a function of the parameters too, so that gradcheck can vary them
+        wq, bq, wk, bk, wv, bv = ps
+        convs = [reference.conv1d_silu(x, w, b, cu_seqlens=cu).reshape(1, -1, H, Dh)
+                 for x, w, b in ((q, wq, bq), (k, wk, bk), (v, wv, bv))]
+        qc, kc, vc = convs
+        qc = qc / torch.sqrt((qc * qc).sum(-1, keepdim=True) + 1e-6)
+        kc = kc / torch.sqrt((kc * kc).sum(-1, keepdim=True) + 1e-6)
+        return reference.kda_chunked(qc, kc, vc, g * 0.3, beta, cu_seqlens=cu, chunk_size=4)[0]
+
+    # The module's own forward equals the functional one (so gradcheck covers the module).
+    o_mod, _ = m(q, k, v, g * 0.3, beta, cu_seqlens=cu)
+    ordered = [m.q_conv_weight, m.q_conv_bias, m.k_conv_weight, m.k_conv_bias,
+               m.v_conv_weight, m.v_conv_bias]
+    o_fun = manual_with(m, ordered, q, k, v, g, beta, cu)
+    # chunk_size differs (4 vs 64): the same maths, rounding only
+    assert ((o_mod - o_fun).abs().max() / o_fun.abs().max()).item() < 1e-12
+    leaves = tuple(t.clone().requires_grad_(True) for t in [q, k, v, g, beta] + ordered)
+    assert torch.autograd.gradcheck(lambda *a: manual_with(m, a[5:], *a[:5], cu), leaves,
+                                    eps=1e-6, atol=1e-8, rtol=1e-6)
+    # module gradients (autograd through PackedKDA) == the functional ones
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    o, _ = m(*ins[:3], ins[3] * 0.3, ins[4], cu_seqlens=cu)
+    w = torch.randn_like(o)
+    (o * w).sum().backward()
+    f_ins = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta)]
+    f_ps = [p.detach().clone().requires_grad_(True) for p in ordered]
+    (manual_with(m, f_ps, *f_ins, cu) * w).sum().backward()
+    for a, b in list(zip(ins, f_ins)) + list(zip(ordered, f_ps)):
+        assert ((a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-30)) < 1e-10
+
+
+def test_argument_errors():
+    m = PackedKDA(2, 8)
+    (q, k, v), g, beta, cu = inputs("err", [4, 4], 2, 8)
+    with pytest.raises(ValueError, match="exactly one of cu_seqlens"):
+        m(q, k, v, g, beta)
+    with pytest.raises(ValueError, match="group is only used with a plan"):
+        m(q, k, v, g, beta, cu_seqlens=cu, group=object())
+    with pytest.raises(ValueError, match=r"q must be \[1, T, 16\]"):
+        m(q[..., :8], k, v, g, beta, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        PackedKDA(2, 8, backward="recompute")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        PackedKDA(2, 8, backend="triton")
+
+
+def test_cuda_backend_kda_not_yet():
+    m = PackedKDA(2, 8, backend="cuda")
+    (q, k, v), g, beta, cu = inputs("cuda", [4, 4], 2, 8)
+    with pytest.raises(NotImplementedError, match="KDA CUDA kernels"):
+        m(q, k, v, g, beta, cu_seqlens=cu)
+
+
+@gpu
+def test_cuda_conv_qkv_matches_reference():
+    """backend='cuda' runs the conv through kda_aot.causal_conv1d_silu (bf16 in and out):
+    within bf16 rounding (2^-8 relative, plus the fp32 L2 norm) of the reference path."""
+    H, Dh, lens = 2, 64, [5, 70, 1, 64, 130]
+    (q, k, v), g, beta, cu = inputs("cudaconv", lens, H, Dh)
+    mc = module(H, Dh, "cc", conv_bias=True, backend="cuda").cuda()
+    mr = module(H, Dh, "cc", conv_bias=True)
+    xs = [t.cuda().to(torch.bfloat16) for t in (q, k, v)]
+    got = mc.conv_qkv(*xs, cu_seqlens=cu.cuda())
+    want = mr.conv_qkv(*(t.float().cpu() for t in xs), cu_seqlens=cu)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        assert ((a.float().cpu() - b).abs().max() / b.abs().max()).item() < 2 * 2.0 ** -8
