@@ -24,16 +24,17 @@ from kda_aot.nn import PackedKDA
 # ----------------------------------------------------------------------------- parent side
 
 def run_job(world_size: int, cases: list, workdir: str, timeout_s: float,
-            collective_timeout_s: float = 60.0) -> list:
-    """Spawn `world_size` gloo ranks (FileStore: no network port) that run `cases`; return the
-    per-rank result lists. Raises if the job does not finish within timeout_s (the processes
-    are then killed: a hang fails the test instead of blocking CI)."""
+            collective_timeout_s: float = 60.0, device: str = "cpu") -> list:
+    """Spawn `world_size` ranks (FileStore: no network port) that run `cases`; return the
+    per-rank result lists. device "cpu": gloo; "cuda": NCCL, rank r on GPU r, inputs moved
+    there and results moved back. Raises if the job does not finish within timeout_s (the
+    processes are then killed: a hang fails the test instead of blocking CI)."""
     os.makedirs(workdir, exist_ok=True)
     cases_path = os.path.join(workdir, "cases.pt")
     torch.save(cases, cases_path)
     store = os.path.join(workdir, "store")
     ctx = mp.start_processes(_worker, args=(world_size, store, cases_path, workdir,
-                                            collective_timeout_s),
+                                            collective_timeout_s, device),
                              nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
@@ -51,18 +52,34 @@ def run_job(world_size: int, cases: list, workdir: str, timeout_s: float,
 
 # ----------------------------------------------------------------------------- worker side
 
-def _worker(rank, world_size, store, cases_path, workdir, collective_timeout_s):
+def _to(obj, device):
+    """Tensors inside nested dicts/lists/tuples moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _worker(rank, world_size, store, cases_path, workdir, collective_timeout_s, device="cpu"):
     torch.set_num_threads(1)     # W processes share a couple of cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank,
+    nccl = device == "cuda"
+    if nccl:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group("nccl" if nccl else "gloo",
+                            store=dist.FileStore(store, world_size), rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
-    cases = torch.load(cases_path, weights_only=False)
+    cases = _to(torch.load(cases_path, weights_only=False), device)
     results = {}
     failed = False
     for case in cases:
         t0 = time.perf_counter()
         try:
-            results[case["name"]] = RUNNERS[case["kind"]](rank, case)
+            results[case["name"]] = _to(RUNNERS[case["kind"]](rank, case), "cpu")
             results[case["name"]]["seconds"] = time.perf_counter() - t0
         except Exception:
             # After an unexpected error the ranks may be out of step in their collectives:
@@ -106,6 +123,7 @@ def _run_module(rank, case):
     for mode in case["modes"]:
         m = PackedKDA(case["H"], case["head_dim"], conv_bias=True, backward=mode)
         m.load_state_dict(case["state_dict"])
+        m.to(x["q"].device)
         loc = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")]
         o, _ = m(*loc, plan=plan)
         (o * plan.shard(x["wo"])).sum().backward()
@@ -153,19 +171,21 @@ def _run_error(rank, case):
     if variant == "heads" and rank == 0:
         H = 3
     n = plan.num_local_tokens - (1 if variant == "local_shape" and rank == W - 1 else 0)
-    q = torch.randn(1, n, H, K)
+    dev = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    q = torch.randn(1, n, H, K, device=dev)
     got = None
     try:
         if variant == "halo_layout":
             if rank == 0:
                 plan = cp.make_plan(cu, "zigzag", group=dist.group.WORLD)
-            cp.conv_halo(torch.randn(1, plan.num_local_tokens, 8), plan)
+            cp.conv_halo(torch.randn(1, plan.num_local_tokens, 8, device=dev), plan)
         else:
-            cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, n, H), plan=plan)
+            cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, n, H, device=dev), plan=plan)
     except Exception as e:  # noqa: BLE001 - the test checks the type
         got = (type(e).__name__, str(e))
     # The group must still be in step: a plain collective afterwards completes.
-    t = torch.tensor([rank], dtype=torch.int64)
+    t = torch.tensor([rank], dtype=torch.int64, device=dev)
     dist.all_reduce(t)
     return {"raised": got, "after": int(t)}
 

@@ -10,7 +10,8 @@
 Modules: plan (layouts, fragment table), summaries (affine summaries and their composition),
 exchange (collectives, agreement check), backends (the local primitives: reference now, CUDA
 later), ops (chunk_kda_cp), halo (conv_halo). Every collective function must be called by all
-ranks of the group in the same order, and so must the backward.
+ranks of the group in the same order, and so must the backward: every rank's result must
+reach the loss, also on a rank that holds no token.
 """
 from .backends import ReferenceBackend, get_backend
 from .exchange import check_agreement, gather, resolve_group

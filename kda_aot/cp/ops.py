@@ -162,10 +162,10 @@ class _ChunkKdaCP(torch.autograd.Function):
 
         # 2. true exit-state gradients, then the local backward with them.
         dS_out = compose_exit_grads(plan, published, H, K, V, local)
-        n_dtypes = ctx.dtypes
+        dtypes = ctx.dtypes
         if not local:
             grads = [torch.zeros(1, 0, *shape, dtype=dt, device=device) for shape, dt in
-                     zip(((H, K), (H, K), (H, V), (H, K), (H,)), n_dtypes)]
+                     zip(((H, K), (H, K), (H, V), (H, K), (H,)), dtypes)]
             dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
                    if has_h0 else None)
             return (*grads, dh0) + (None,) * 6
@@ -177,7 +177,7 @@ class _ChunkKdaCP(torch.autograd.Function):
             final_pass = backend.backward(lctx, do, true)
         else:   # every local fragment ends its document: the first pass already was the true one
             final_pass = first_pass
-        grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], n_dtypes)]
+        grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
         dh0 = None
         if has_h0:
             # Rows of documents whose first fragment is here; zero elsewhere (an all_reduce(SUM)
@@ -209,6 +209,9 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
 
     Inputs, agreement: all ranks must agree on the plan, H, K, V and scale; a rank whose local
     shapes do not match the plan, or a disagreement, raises a ValueError on every rank.
+    The backward is collective too: every rank must back-propagate through its o (or
+    final_state), including a rank that holds no token (its o is [1, 0, H, V]), in the same
+    order as the other ranks' CP calls.
     """
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
@@ -226,6 +229,10 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
              "state dtype": backend.state_dtype, "backend": backend.name}
     group, _, _ = check_agreement("chunk_kda_cp", plan, group, facts, problem,
                                   q if isinstance(q, torch.Tensor) else None)
+    # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing.
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     o, final = _ChunkKdaCP.apply(q, k, v, g, beta, initial_state, plan, group, float(scale),
-                                 bool(output_final_state), backward, backend)
+                                 bool(output_final_state), backward if needs_grad else "replay",
+                                 backend)
     return o, (final if output_final_state else None)
