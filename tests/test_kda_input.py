@@ -1,0 +1,93 @@
+"""Bad input to the KDA forward: a clear TypeError/ValueError naming the argument, before any launch.
+
+Runs without a GPU: Python checks the shapes users pass, the bindings re-check dtype, shape,
+contiguity and alignment of every tensor before the device (CPU tensors reach every check; the
+device check is the last one).
+"""
+import pytest
+import torch
+
+from conftest import HAS_GPU
+from kda_aot import registry
+from kda_aot._tensor import describe
+from kda_aot.kda import chunk_kda_fwd, chunk_table
+
+DEV = "cuda" if HAS_GPU else "cpu"
+
+
+def good(T=70, H=2, lens=(5, 65)):
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(1, T, H, 128, **bf)
+    k = torch.randn(1, T, H, 128, **bf)
+    v = torch.randn(1, T, H, 128, **bf)
+    g = -torch.rand(1, T, H, 128, device=DEV)
+    beta = torch.rand(1, T, H, **bf)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    return q, k, v, g, beta, cu
+
+
+CASES = [
+    ("q rank", lambda q, k, v, g, b, cu: (q[0], k, v, g, b, cu), ValueError, r"q: expected shape \[1, T, H, 128\]"),
+    ("k shape", lambda q, k, v, g, b, cu: (q, k[:, :69], v, g, b, cu), ValueError, r"k: expected shape .* \(as q\)"),
+    ("g shape", lambda q, k, v, g, b, cu: (q, k, v, g[..., :64], b, cu), ValueError, r"g: expected shape"),
+    ("beta shape", lambda q, k, v, g, b, cu: (q, k, v, g, b[..., :1], cu), ValueError, r"beta: expected shape"),
+    ("cu not increasing", lambda q, k, v, g, b, cu: (q, k, v, g, b, torch.tensor([0, 5, 5, 70], dtype=torch.int32)),
+     ValueError, "cu_seqlens: must be strictly increasing"),
+    ("cu end", lambda q, k, v, g, b, cu: (q, k, v, g, b, torch.tensor([0, 5, 69], dtype=torch.int32)), ValueError,
+     "cu_seqlens: must end at T = 70"),
+    ("cu dtype", lambda q, k, v, g, b, cu: (q, k, v, g, b, cu.float()), TypeError, "cu_seqlens: expected dtype"),
+    ("head dim 64", lambda q, k, v, g, b, cu: (q[..., :64], k[..., :64], v[..., :64], g[..., :64], b, cu),
+     ValueError, "q: head dim must be 128"),
+    ("q dtype", lambda q, k, v, g, b, cu: (q.float(), k, v, g, b, cu), TypeError, "q: expected dtype bfloat16"),
+    ("g dtype", lambda q, k, v, g, b, cu: (q, k, v, g.to(torch.bfloat16), b, cu), TypeError, "g: expected dtype float32"),
+    ("beta dtype", lambda q, k, v, g, b, cu: (q, k, v, g, b.float(), cu), TypeError, "beta: expected dtype bfloat16"),
+    ("v non-contiguous", lambda q, k, v, g, b, cu: (q, k, v.transpose(2, 3).contiguous().transpose(2, 3), g, b, cu),
+     ValueError, "v: expected contiguous"),
+    ("k misaligned", lambda q, k, v, g, b, cu: (q, torch.randn(k.numel() + 1, device=k.device).to(torch.bfloat16)[1:]
+                                               .view(k.shape), v, g, b, cu), ValueError, "k: storage must be 16-byte"),
+    ("v not a tensor", lambda q, k, v, g, b, cu: (q, k, v.tolist(), g, b, cu), TypeError, "v: expected a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_named(name, mutate, exc, match):
+    args = mutate(*good())
+    with pytest.raises(exc, match=match):
+        chunk_kda_fwd(*args[:5], cu_seqlens=args[5])
+
+
+def test_more_than_64_heads():
+    q, k, v, g, b, cu = good(T=8, H=65, lens=(8,))
+    with pytest.raises(ValueError, match="q: at most 64 heads, got 65"):
+        chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu)
+
+
+def test_initial_state_shape_and_dtype():
+    q, k, v, g, b, cu = good()
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \[2, 2, 128, 128\]"):
+        chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu, initial_state=torch.zeros(1, 2, 128, 128, device=DEV))
+    with pytest.raises(TypeError, match="initial_state: expected dtype float32"):
+        chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu,
+                      initial_state=torch.zeros(2, 2, 128, 128, device=DEV, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
+def test_cpu_tensors_are_refused_last():
+    q, k, v, g, b, cu = good()
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu)
+
+
+def test_binding_refuses_unknown_and_missing_tensors():
+    q, k, v, g, b, cu = good()
+    lib = registry.library("kda_fwd_chunk")
+    with pytest.raises(ValueError, match="unknown tensor argument 'qq'"):
+        lib.launch({"qq": describe(q, "qq")}, 1.0, 0)
+    with pytest.raises(TypeError, match="k: a tensor is required by kda_fwd_chunk/default"):
+        lib.launch({"q": describe(q, "q")}, 1.0, 0)
+
+
+def test_chunk_table():
+    chunks, segs = chunk_table([0, 1, 65, 130, 259])
+    assert chunks == [0, 1, 1, 65, 65, 129, 129, 130, 130, 194, 194, 258, 258, 259]
+    assert segs == [0, 1, 2, 4, 7]
