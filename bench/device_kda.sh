@@ -1,14 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the KDA kernels: build only them, GPU tests, sanitizers, forward benchmark.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/kda_out}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"

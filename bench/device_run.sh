@@ -2,15 +2,7 @@
 # One device call: install carried wheels, build (shipped + test-only records), GPU tests,
 # compute-sanitizer, the conv benchmark; logs and result rows under $OUT.
 # Usage on the device: bash bench/device_run.sh [pytest args...]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/kda_out}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/device_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -2;
   python3 -c "import torch; print('torch', torch.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 t0=$(date +%s)

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the two KDA forward kernels (one launch each, pack Q1 with 4 heads):
 # speed of light, occupancy, warp stall reasons. Leaves the clocks alone.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/kda_out}
+source "$(dirname "$0")/device_env.sh"
 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 for k in kda_fwd_chunk kda_fwd_tape; do
   PYTHONPATH=$PWD ncu --clock-control none -k regex:$k -c 1 --section SpeedOfLight --section Occupancy \

@@ -72,6 +72,21 @@ def assert_f32_close(got, ref, what, rel=1e-4):
     assert e < rel, f"{what}: relative error {e:.3e} (seed {SEED})"
 
 
+def check_against_reference(x, w, b, cu, h, dy):
+    """Every output of the forward and backward kernels within the bounds above; none unwritten."""
+    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
+    ry, rdx, rdw, rdb, rdh = reference_grads(x, w, b, cu, h, dy)
+    assert_bf16_close(y, ry, "y")
+    assert_bf16_close(dx, rdx, "dx")
+    assert_f32_close(dw, rdw, "dweight")
+    if b is None:
+        assert db is None
+    else:
+        assert_f32_close(db, rdb, "dbias")
+    if h is not None:
+        assert_f32_close(dh, rdh, "dhalo")
+
+
 PACKS = {
     "tiny": [1, 2, 3, 4],
     "edges": [63, 64, 65, 1, 2, 3, 4, 130],
@@ -84,37 +99,16 @@ PACKS = {
 @pytest.mark.parametrize("D", [128, 136, 1024])
 @pytest.mark.parametrize("halo", [False, True])
 def test_matches_reference(name, D, halo):
-    x, w, b, cu, h, dy = pack(PACKS[name], D, rng((name, D, halo)), halo=halo)
-    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
-    ry, rdx, rdw, rdb, rdh = reference_grads(x, w, b, cu, h, dy)
-    assert_bf16_close(y, ry, "y")
-    assert_bf16_close(dx, rdx, "dx")
-    assert_f32_close(dw, rdw, "dweight")
-    assert_f32_close(db, rdb, "dbias")
-    if halo:
-        assert_f32_close(dh, rdh, "dhalo")
+    check_against_reference(*pack(PACKS[name], D, rng((name, D, halo)), halo=halo))
 
 
 @pytest.mark.parametrize("D", [3 * 32 * 128, 12288])
 def test_wide_channels(D):
-    x, w, b, cu, h, dy = pack([1, 63, 64, 65, 700, 1], D, rng(("wide", D)), halo=True, cu_dtype=torch.int64)
-    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
-    ry, rdx, rdw, rdb, rdh = reference_grads(x, w, b, cu, h, dy)
-    assert_bf16_close(y, ry, "y")
-    assert_bf16_close(dx, rdx, "dx")
-    assert_f32_close(dw, rdw, "dweight")
-    assert_f32_close(db, rdb, "dbias")
-    assert_f32_close(dh, rdh, "dhalo")
+    check_against_reference(*pack([1, 63, 64, 65, 700, 1], D, rng(("wide", D)), halo=True, cu_dtype=torch.int64))
 
 
 def test_no_bias_int64_cu():
-    x, w, b, cu, h, dy = pack(PACKS["edges"], 256, rng("nobias"), bias=False, cu_dtype=torch.int64)
-    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy)
-    ry, rdx, rdw, _, _ = reference_grads(x, w, b, cu, h, dy)
-    assert db is None
-    assert_bf16_close(y, ry, "y")
-    assert_bf16_close(dx, rdx, "dx")
-    assert_f32_close(dw, rdw, "dweight")
+    check_against_reference(*pack(PACKS["edges"], 256, rng("nobias"), bias=False, cu_dtype=torch.int64))
 
 
 def variant_forms(program):

@@ -8,29 +8,19 @@ Inputs are fresh random every run; the run seed is printed and each test derives
 from it; reproduce a run with KDA_TEST_SEED=<seed>.
 """
 
-import os
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kda_aot import reference as ref
 
-SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-print(f"[test_reference_bwd] KDA_TEST_SEED={SEED}")
+from conftest import SEED
+from reftools import cu_of, make_inputs, rand_lens, rel_err
 
 F64 = torch.float64
 REL_FP64 = 1e-10     # explicit vs autograd, fp64 (observed <~1e-14)
 REL_FP32 = 1e-4      # fp32 explicit vs fp64 (observed <~1e-5)
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
-
-
-@pytest.fixture
-def gen(request):
-    seed = (SEED + zlib.crc32(request.node.nodeid.encode())) % (2 ** 63)
-    print(f"[seed] KDA_TEST_SEED={SEED} -> {request.node.nodeid} seed {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 @pytest.fixture(autouse=True)
@@ -43,35 +33,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
-
-
-def rand_lens(gen, fixed=(1, 2, 63, 64, 65, 130), n_random=2, hi=200):
-    lens = list(fixed) + torch.randint(1, hi, (n_random,), generator=gen).tolist()
-    return [lens[i] for i in torch.randperm(len(lens), generator=gen).tolist()]
-
-
-def cu_of(lens, dtype=torch.int32):
-    return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(dtype)
-
-
-def make_inputs(gen, lens, H, K, V, g_mode="rand", init=False, dtype=F64):
-    T = sum(lens)
-    q = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=dtype), dim=-1)
-    k = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=dtype), dim=-1)
-    v = torch.randn(1, T, H, V, generator=gen, dtype=dtype)
-    if g_mode == "neg5":
-        g = torch.full((1, T, H, K), -5.0, dtype=dtype)
-    elif g_mode == "zero":
-        g = torch.zeros(1, T, H, K, dtype=dtype)
-    elif g_mode == "mild":  # long memory: states many chunks back still matter
-        g = -0.05 * torch.rand(1, T, H, K, generator=gen, dtype=dtype)
-    else:
-        g = -5.0 * torch.rand(1, T, H, K, generator=gen, dtype=dtype)
-    beta = 0.01 + 0.98 * torch.rand(1, T, H, generator=gen, dtype=dtype)
-    h0 = torch.randn(len(lens), H, K, V, generator=gen, dtype=dtype) if init else None
-    return q, k, v, g, beta, h0
 
 
 def autograd_grads(fn, q, k, v, g, beta, h0, do, dfs, lens, **kw):
