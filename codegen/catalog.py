@@ -78,6 +78,11 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_fwd_tape", form="full", params={"threads": 256},
            select="always for now (the split form and the fit rule come with issue 5)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks (128 value columns), output fused"),
+    # Verified on the GPU only from the next session on: test-only until its GPU test has passed.
+    Record(program="kda_bwd_tape", form="full", params={"threads": 256},
+           select="tests only until verified on the GPU (then: always, until the split form and fit rule)",
+           grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks backwards, 128 value columns",
+           shipped=False),
     Record(program=_BWD, form="short_tiles",
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 3, "min_blocks": 1,
                    "reduce_threads": 128},

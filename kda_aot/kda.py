@@ -88,3 +88,27 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     registry.library("kda_fwd_chunk").launch(desc, scale, stream)
     registry.library("kda_fwd_tape", tape_form).launch(desc, scale, stream)
     return t["o"], t["final_state"], t
+
+
+def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, scale=None, need_dinitial_state=True,
+                       out=None, tape_form="full"):
+    """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
+    (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
+    d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors."""
+    q = saved["q"]
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
+    N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    out = dict(out or {})
+    f32 = dict(device=q.device, dtype=torch.float32)
+    t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
+    t.update(dout=dout.contiguous(), dfinal_state=dfinal_state,
+             dtape=out.get("dtape", torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)),
+             dinitial_state=(out.get("dinitial_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
+                             if need_dinitial_state else None))
+    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
+    registry.library("kda_bwd_tape", tape_form).launch(desc, scale, stream_of(q))
+    return t["dtape"], t["dinitial_state"]

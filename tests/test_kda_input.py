@@ -91,3 +91,13 @@ def test_chunk_table():
     chunks, segs = chunk_table([0, 1, 65, 130, 259])
     assert chunks == [0, 1, 1, 65, 65, 129, 129, 130, 130, 194, 194, 258, 258, 259]
     assert segs == [0, 1, 2, 4, 7]
+
+
+def test_backward_walk_binding_checks():
+    q, k, v, g, b, cu = good()
+    lib = registry.library("kda_bwd_tape", "full")
+    dout = describe(q, "dout")
+    with pytest.raises(TypeError, match="dtape: a tensor is required by kda_bwd_tape/full"):
+        lib.launch({"dout": dout}, 1.0, 0)
+    with pytest.raises(TypeError, match="dout: expected dtype bfloat16"):
+        lib.launch({"dout": describe(q.float(), "dout")}, 1.0, 0)

@@ -38,3 +38,24 @@ struct KdaFwdArgs {
 };
 
 }  // namespace kda
+
+namespace kda {
+
+// Launch arguments of the backward state walk (kda_bwd_tape).
+struct KdaBwdArgs {
+  const uint16_t* dout;          // [T, H, 128] bf16 gradient of o
+  const uint16_t* w;             // [T, H, 128] bf16 (forward chunk stage)
+  const uint16_t* qg;            // [T, H, 128] bf16
+  const uint16_t* kg;            // [T, H, 128] bf16
+  const uint16_t* aqk;           // [T, H, 64]  bf16
+  const float* gamma;            // [n_chunks, H, 128] fp32
+  const int32_t* chunks;         // [n_chunks, 2]
+  const int32_t* seg_chunks;     // [N + 1]
+  const float* dfinal_state;     // [N, H, 128, 128] fp32 or null
+  float* dtape;                  // [n_chunks, H, 128, 128] fp32: gradient of the state at each chunk END
+  float* dinitial_state;         // [N, H, 128, 128] fp32 or null
+  int64_t T, N, H, n_chunks;
+  float scale;
+};
+
+}  // namespace kda

@@ -1,8 +1,7 @@
-// Argument checks shared by the KDA forward bindings. Tensors arrive as a dict of descriptors
+// Argument checks shared by the KDA bindings (forward and backward). Tensors arrive as a dict of descriptors
 // named as in KdaFwdArgs; each program names the ones it needs, and every tensor given is checked
 // (dtype, shape, contiguity, 16-byte alignment, one CUDA device) before anything is launched.
 #pragma once
-#include <functional>
 #include <map>
 #include <string>
 
@@ -11,13 +10,22 @@
 
 namespace kda {
 
-using KdaLauncher = int (*)(const KdaFwdArgs*, void*, char*, int);
-
-inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           KdaLauncher launcher, const char* what) {
-  static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
-                                 "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o"};
+// Checked tensors of one call: dims from q (or dout), chunks and seg_chunks.
+struct KdaTensors {
   std::map<std::string, Tensor> t;
+  int64_t T = 0, N = 0, H = 0, C = 0;
+  uint64_t ptr(const char* name) const {
+    auto it = t.find(name);
+    return it == t.end() ? 0 : it->second.ptr;
+  }
+};
+
+inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what) {
+  static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
+                                 "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
+                                 "dout", "dfinal_state", "dtape", "dinitial_state"};
+  KdaTensors out;
+  auto& t = out.t;
   for (auto item : tensors) {
     const std::string name = py::str(item.first);
     bool known = false;
@@ -28,15 +36,15 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   for (const auto& name : need)
     if (!t.count(name) || !t[name].present) fail_type(name + ": a tensor is required by " + what);
 
-  // q fixes T and H; chunks fixes the chunk count; seg_chunks the segment count.
-  const Tensor& q = t["q"];
+  // q (or dout) fixes T and H; chunks fixes the chunk count; seg_chunks the segment count.
+  const Tensor& q = t.count("q") && t["q"].present ? t["q"] : t["dout"];
   expect_dtype(q, kBFloat16);
   if (q.shape.size() != 4 || q.shape[0] != 1)
-    fail_value("q: expected shape [1, T, H, 128] (packed documents, batch 1), got " + join(q.shape));
-  if (q.shape[3] != kHeadDim) fail_value("q: head dim must be 128, got " + std::to_string(q.shape[3]));
+    fail_value(q.name + ": expected shape [1, T, H, 128] (packed documents, batch 1), got " + join(q.shape));
+  if (q.shape[3] != kHeadDim) fail_value(q.name + ": head dim must be 128, got " + std::to_string(q.shape[3]));
   const int64_t T = q.shape[1], H = q.shape[2];
-  if (H < 1 || H > kMaxHeads) fail_value("q: heads must be 1 .. 64, got " + std::to_string(H));
-  if (T < 1 || T > INT32_MAX) fail_value("q: T must be in 1 .. 2^31 - 1, got " + std::to_string(T));
+  if (H < 1 || H > kMaxHeads) fail_value(q.name + ": heads must be 1 .. 64, got " + std::to_string(H));
+  if (T < 1 || T > INT32_MAX) fail_value(q.name + ": T must be in 1 .. 2^31 - 1, got " + std::to_string(T));
   const Tensor& chunks = t["chunks"];
   expect_dtype(chunks, kInt32);
   if (chunks.shape.size() != 2 || chunks.shape[1] != 2 || chunks.shape[0] < 1)
@@ -54,25 +62,30 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
     std::vector<int64_t> shape;
     const char* spelled;
   };
+  const std::vector<int64_t> tok = {1, T, H, kHeadDim}, state = {N, H, kHeadDim, kHeadDim};
   const std::vector<Spec> specs = {
-      {"q", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
-      {"k", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128] (as q)"},
-      {"v", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128] (as q)"},
-      {"g", kFloat32, {1, T, H, kHeadDim}, "[1, T, H, 128] (as q)"},
+      {"q", kBFloat16, tok, "[1, T, H, 128]"},
+      {"k", kBFloat16, tok, "[1, T, H, 128] (as q)"},
+      {"v", kBFloat16, tok, "[1, T, H, 128] (as q)"},
+      {"g", kFloat32, tok, "[1, T, H, 128] (as q)"},
       {"beta", kBFloat16, {1, T, H}, "[1, T, H]"},
-      {"initial_state", kFloat32, {N, H, kHeadDim, kHeadDim}, "[N, H, 128, 128]"},
+      {"initial_state", kFloat32, state, "[N, H, 128, 128]"},
       {"chunks", kInt32, {C, 2}, "[n_chunks, 2]"},
       {"seg_chunks", kInt32, {N + 1}, "[N + 1]"},
-      {"w", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
-      {"u", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
-      {"qg", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
-      {"kg", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
+      {"w", kBFloat16, tok, "[1, T, H, 128]"},
+      {"u", kBFloat16, tok, "[1, T, H, 128]"},
+      {"qg", kBFloat16, tok, "[1, T, H, 128]"},
+      {"kg", kBFloat16, tok, "[1, T, H, 128]"},
       {"aqk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"gamma", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
       {"tape", kFloat32, {C, H, kHeadDim, kHeadDim}, "[n_chunks, H, 128, 128]"},
-      {"vnew", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
-      {"final_state", kFloat32, {N, H, kHeadDim, kHeadDim}, "[N, H, 128, 128]"},
-      {"o", kBFloat16, {1, T, H, kHeadDim}, "[1, T, H, 128]"},
+      {"vnew", kBFloat16, tok, "[1, T, H, 128]"},
+      {"final_state", kFloat32, state, "[N, H, 128, 128]"},
+      {"o", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dout", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dfinal_state", kFloat32, state, "[N, H, 128, 128]"},
+      {"dtape", kFloat32, {C, H, kHeadDim, kHeadDim}, "[n_chunks, H, 128, 128]"},
+      {"dinitial_state", kFloat32, state, "[N, H, 128, 128]"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -85,38 +98,72 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
     all.push_back(&it->second);
   }
   expect_one_cuda_device(all);
+  out.T = T;
+  out.N = N;
+  out.H = H;
+  out.C = C;
+  return out;
+}
 
-  auto ptr = [&](const char* name) -> uint64_t {
-    auto it = t.find(name);
-    return it == t.end() ? 0 : it->second.ptr;
-  };
-  KdaFwdArgs a{};
-  a.q = reinterpret_cast<const uint16_t*>(ptr("q"));
-  a.k = reinterpret_cast<const uint16_t*>(ptr("k"));
-  a.v = reinterpret_cast<const uint16_t*>(ptr("v"));
-  a.g = reinterpret_cast<const float*>(ptr("g"));
-  a.beta = reinterpret_cast<const uint16_t*>(ptr("beta"));
-  a.initial_state = reinterpret_cast<const float*>(ptr("initial_state"));
-  a.chunks = reinterpret_cast<const int32_t*>(ptr("chunks"));
-  a.seg_chunks = reinterpret_cast<const int32_t*>(ptr("seg_chunks"));
-  a.T = T;
-  a.N = N;
-  a.H = H;
-  a.n_chunks = C;
-  a.scale = static_cast<float>(scale);
-  a.w = reinterpret_cast<uint16_t*>(ptr("w"));
-  a.u = reinterpret_cast<uint16_t*>(ptr("u"));
-  a.qg = reinterpret_cast<uint16_t*>(ptr("qg"));
-  a.kg = reinterpret_cast<uint16_t*>(ptr("kg"));
-  a.aqk = reinterpret_cast<uint16_t*>(ptr("aqk"));
-  a.gamma = reinterpret_cast<float*>(ptr("gamma"));
-  a.tape = reinterpret_cast<float*>(ptr("tape"));
-  a.vnew = reinterpret_cast<uint16_t*>(ptr("vnew"));
-  a.final_state = reinterpret_cast<float*>(ptr("final_state"));
-  a.o = reinterpret_cast<uint16_t*>(ptr("o"));
+template <typename Args>
+inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const Args& a, uint64_t stream,
+                         const char* what) {
   char err[256] = {0};
   const int code = launcher(&a, reinterpret_cast<void*>(stream), err, sizeof(err));
   check_launch(code, err, what);
+}
+
+inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
+                           int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what) {
+  const KdaTensors k = check_kda_tensors(tensors, need, what);
+  KdaFwdArgs a{};
+  a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
+  a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
+  a.v = reinterpret_cast<const uint16_t*>(k.ptr("v"));
+  a.g = reinterpret_cast<const float*>(k.ptr("g"));
+  a.beta = reinterpret_cast<const uint16_t*>(k.ptr("beta"));
+  a.initial_state = reinterpret_cast<const float*>(k.ptr("initial_state"));
+  a.chunks = reinterpret_cast<const int32_t*>(k.ptr("chunks"));
+  a.seg_chunks = reinterpret_cast<const int32_t*>(k.ptr("seg_chunks"));
+  a.T = k.T;
+  a.N = k.N;
+  a.H = k.H;
+  a.n_chunks = k.C;
+  a.scale = static_cast<float>(scale);
+  a.w = reinterpret_cast<uint16_t*>(k.ptr("w"));
+  a.u = reinterpret_cast<uint16_t*>(k.ptr("u"));
+  a.qg = reinterpret_cast<uint16_t*>(k.ptr("qg"));
+  a.kg = reinterpret_cast<uint16_t*>(k.ptr("kg"));
+  a.aqk = reinterpret_cast<uint16_t*>(k.ptr("aqk"));
+  a.gamma = reinterpret_cast<float*>(k.ptr("gamma"));
+  a.tape = reinterpret_cast<float*>(k.ptr("tape"));
+  a.vnew = reinterpret_cast<uint16_t*>(k.ptr("vnew"));
+  a.final_state = reinterpret_cast<float*>(k.ptr("final_state"));
+  a.o = reinterpret_cast<uint16_t*>(k.ptr("o"));
+  run_launcher(launcher, a, stream, what);
+}
+
+inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
+                           int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what) {
+  const KdaTensors k = check_kda_tensors(tensors, need, what);
+  KdaBwdArgs a{};
+  a.dout = reinterpret_cast<const uint16_t*>(k.ptr("dout"));
+  a.w = reinterpret_cast<const uint16_t*>(k.ptr("w"));
+  a.qg = reinterpret_cast<const uint16_t*>(k.ptr("qg"));
+  a.kg = reinterpret_cast<const uint16_t*>(k.ptr("kg"));
+  a.aqk = reinterpret_cast<const uint16_t*>(k.ptr("aqk"));
+  a.gamma = reinterpret_cast<const float*>(k.ptr("gamma"));
+  a.chunks = reinterpret_cast<const int32_t*>(k.ptr("chunks"));
+  a.seg_chunks = reinterpret_cast<const int32_t*>(k.ptr("seg_chunks"));
+  a.dfinal_state = reinterpret_cast<const float*>(k.ptr("dfinal_state"));
+  a.dtape = reinterpret_cast<float*>(k.ptr("dtape"));
+  a.dinitial_state = reinterpret_cast<float*>(k.ptr("dinitial_state"));
+  a.T = k.T;
+  a.N = k.N;
+  a.H = k.H;
+  a.n_chunks = k.C;
+  a.scale = static_cast<float>(scale);
+  run_launcher(launcher, a, stream, what);
 }
 
 }  // namespace kda
