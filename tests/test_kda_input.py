@@ -95,9 +95,19 @@ def test_chunk_table():
 
 def test_backward_walk_binding_checks():
     q, k, v, g, b, cu = good()
+    T, H = q.shape[1], q.shape[2]
     lib = registry.library("kda_bwd_tape", "full")
-    dout = describe(q, "dout")
-    with pytest.raises(TypeError, match="dtape: a tensor is required by kda_bwd_tape/full"):
-        lib.launch({"dout": dout}, 1.0, 0)
+    with pytest.raises(TypeError, match="chunks: a tensor is required by kda_bwd_tape/full"):
+        lib.launch({"dout": describe(q, "dout")}, 1.0, 0)
+    chunks, segs = chunk_table([0, 5, T])
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    full = {"dout": q, "chunks": torch.tensor(chunks, dtype=torch.int32, device=DEV).view(-1, 2),
+            "seg_chunks": torch.tensor(segs, dtype=torch.int32, device=DEV), "w": k, "qg": v, "kg": k,
+            "aqk": torch.zeros(1, T, H, 64, **bf), "gamma": torch.zeros(len(chunks) // 2, H, 128, device=DEV),
+            "dtape": torch.zeros(len(chunks) // 2, H, 128, 128, device=DEV)}
+    bad = dict(full, dout=q.float())
     with pytest.raises(TypeError, match="dout: expected dtype bfloat16"):
-        lib.launch({"dout": describe(q.float(), "dout")}, 1.0, 0)
+        lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
+    bad = dict(full, dtape=full["dtape"][:1])
+    with pytest.raises(ValueError, match=r"dtape: expected shape \[n_chunks, H, 128, 128\]"):
+        lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
