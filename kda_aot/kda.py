@@ -11,25 +11,14 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from ._tensor import check_cu_seqlens, describe, stream_of
+from ._tensor import describe, stream_of
+from .packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
-CHUNK = 64
 MAX_HEADS = 64
 
 
-def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:
-    """Chunks of every segment in packed order: flat [(first token, end token), ...] and the first
-    chunk of each segment ([N + 1]). A chunk never crosses a segment; a segment's last may be short."""
-    chunks, seg_chunks = [], [0]
-    for start, end in zip(cu[:-1], cu[1:]):
-        for t in range(start, end, CHUNK):
-            chunks += (t, min(t + CHUNK, end))
-        seg_chunks.append(len(chunks) // 2)
-    return chunks, seg_chunks
-
-
-def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> list[int]:
+def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -45,14 +34,14 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> list[int]:
             raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
     if tuple(beta.shape) != (1, T, H):
         raise ValueError(f"beta: expected shape [1, {T}, {H}], got {list(beta.shape)}")
-    cu = check_cu_seqlens(cu_seqlens, T)
-    if initial_state is not None and tuple(initial_state.shape) != (len(cu) - 1, H, HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"initial_state: expected shape [{len(cu) - 1}, {H}, 128, 128], "
-                         f"got {list(initial_state.shape)}")
+    tables = pack_tables(cu_seqlens, T, q.device)
+    N = tables.n_segments
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128], got {list(initial_state.shape)}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
-    return cu
+    return tables
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
@@ -60,20 +49,17 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates,
     plus the fp32 state tape and V' when `save_tape`. `out` may hold preallocated `o` /
     `final_state` (tests poison them)."""
-    cu = _check(q, k, v, g, beta, cu_seqlens, initial_state)
-    T, H = q.shape[1], q.shape[2]
-    N = len(cu) - 1
+    tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    T, H, N = q.shape[1], q.shape[2], tables.n_segments
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
-    chunks, seg_chunks = chunk_table(cu)
-    C = len(chunks) // 2
+    C = tables.chunks.shape[0]
     dev = q.device
     out = dict(out or {})
     bf16 = dict(device=dev, dtype=torch.bfloat16)
     f32 = dict(device=dev, dtype=torch.float32)
     t = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-        "chunks": torch.tensor(chunks, dtype=torch.int32).view(C, 2).to(dev, non_blocking=True),
-        "seg_chunks": torch.tensor(seg_chunks, dtype=torch.int32).to(dev, non_blocking=True),
+        "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),

@@ -10,7 +10,8 @@ import torch
 from conftest import HAS_GPU
 from kda_aot import registry
 from kda_aot._tensor import describe
-from kda_aot.kda import chunk_kda_fwd, chunk_table
+from kda_aot.kda import chunk_kda_fwd
+from kda_aot.packing import chunk_table, pack_tables
 
 DEV = "cuda" if HAS_GPU else "cpu"
 
@@ -111,3 +112,14 @@ def test_backward_walk_binding_checks():
     bad = dict(full, dtape=full["dtape"][:1])
     with pytest.raises(ValueError, match=r"dtape: expected shape \[n_chunks, H, 128, 128\]"):
         lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
+
+
+def test_pack_tables_are_cached_by_value_and_accept_cpu_boundaries():
+    a = pack_tables(torch.tensor([0, 1, 65, 130, 259]), 259, DEV)
+    b = pack_tables(torch.tensor([0, 1, 65, 130, 259], dtype=torch.int32, device=DEV), 259, DEV)
+    assert a is b  # same boundaries, same device: built once
+    assert a.cu.dtype == torch.int32 and a.cu.device.type == torch.device(DEV).type
+    assert a.chunks.cpu().flatten().tolist() == chunk_table([0, 1, 65, 130, 259])[0]
+    assert a.seg_chunks.cpu().tolist() == [0, 1, 2, 4, 7]
+    with pytest.raises(ValueError, match="cu_seqlens: must end at T = 260"):
+        pack_tables(torch.tensor([0, 1, 65, 130, 259]), 260, DEV)
