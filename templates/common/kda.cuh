@@ -69,3 +69,19 @@ __device__ __forceinline__ void cp_chunk_rows(__nv_bfloat16 (*dst)[kPitch], cons
 }
 
 }  // namespace kda
+
+namespace kda {
+
+// Async copy of columns [col0, col0 + ncols) of rows [0, len) of one head of a token-major
+// [T, H, 128] tensor into a [64][kPitch] tile (at the same column offsets minus col0).
+__device__ __forceinline__ void cp_chunk_cols(__nv_bfloat16 (*dst)[kPitch], const uint16_t* src, int64_t t0, int len,
+                                              int64_t H, int64_t h, int col0, int ncols, int tid, int nthreads) {
+  const int vecs = ncols / 8;
+  for (int i = tid; i < kChunk * vecs; i += nthreads) {
+    const int r = i / vecs, col = (i % vecs) * 8;
+    const bool valid = r < len;
+    cp_async_16(&dst[r][col], src + ((t0 + (valid ? r : 0)) * H + h) * kHeadDim + col0 + col, valid);
+  }
+}
+
+}  // namespace kda
