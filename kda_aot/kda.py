@@ -47,7 +47,7 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
                   save_tape=False, out=None, tape_form="full"):
     """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates,
-    plus the fp32 state tape and V' when `save_tape`. `out` may hold preallocated `o` /
+    plus the fp32 state tape, V' and (I + L)^-1 when `save_tape` (what the backward needs). `out` may hold preallocated `o` /
     `final_state` (tests poison them)."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H, N = q.shape[1], q.shape[2], tables.n_segments
@@ -65,6 +65,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
         "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),
         "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32) if save_tape else None,
         "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16) if save_tape else None,
+        "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)),
         "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                         if output_final_state else None),
@@ -98,3 +99,25 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, scale=None, need
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     registry.library("kda_bwd_tape", tape_form).launch(desc, scale, stream_of(q))
     return t["dtape"], t["dinitial_state"]
+
+
+def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, scale=None):
+    """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
+    with save_tape=True and the backward walk's dtape: returns a dict of dv (bf16) and the fp32
+    intermediates drk, dqg, dkg, daqk, dakk, dbeta_v, dgam_s (see templates/common/kda.h)."""
+    q = saved["q"]
+    if saved.get("tape") is None:
+        raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
+    T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
+                                         "akk_inv", "beta", "tape")}
+    t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
+             drk=torch.empty(1, T, H, HEAD_DIM, **f32), dqg=torch.empty(1, T, H, HEAD_DIM, **f32),
+             dkg=torch.empty(1, T, H, HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **f32),
+             dakk=torch.empty(1, T, H, CHUNK, **f32), dbeta_v=torch.empty(1, T, H, **f32),
+             dgam_s=torch.empty(C, H, HEAD_DIM, **f32))
+    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
+    registry.library("kda_bwd_chunk").launch(desc, scale, stream_of(q))
+    return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}

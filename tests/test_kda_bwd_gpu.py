@@ -10,7 +10,7 @@ import torch
 
 from conftest import SEED, gpu
 from kda_aot import reference
-from kda_aot.kda import chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.kda import chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
 from test_kda_fwd_gpu import PACKS, REL, make, rel_rms, rng
 
 pytestmark = gpu
@@ -49,3 +49,43 @@ def test_two_runs_bitwise():
     a = chunk_kda_bwd_walk(saved, dout)
     b = chunk_kda_bwd_walk(saved, dout)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_chunk_stage_products_match_reference():
+    """kda_bwd_chunk's outputs against reference.chunk_bwd's intermediates, chunk by chunk."""
+    lens, H = PACKS["edges"], 2
+    q, k, v, g, beta, cu, h0 = make(lens, H, "mild", rng("bwd-chunk"), True)
+    T = q.shape[1]
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+    dout = torch.randn(1, T, H, 128, device="cuda", generator=rng("bwd-chunk-do")).to(torch.bfloat16)
+    dtape, _ = chunk_kda_bwd_walk(saved, dout)
+    got = chunk_kda_bwd_chunk(saved, dout, dtape)
+
+    cpu = [x.cpu() for x in (q, k, v, g, beta)]
+    rs = reference.kda_chunked_fwd_saved(*cpu, cu_seqlens=cu.cpu(), initial_state=h0.cpu())
+    do64 = dout.cpu().double()
+    ref_tape, _ = reference.kda_bwd_state_walk(rs, do64, reference.kda_bwd_dvp_local(rs, do64))
+    want = {n: torch.zeros(1, T, H, w, dtype=torch.float64) for n, w in
+            (("dv", 128), ("drk", 128), ("dqg", 128), ("dkg", 128), ("daqk", 64), ("dakk", 64))}
+    want["dbeta_v"] = torch.zeros(1, T, H, dtype=torch.float64)
+    dgam_s = torch.zeros(len(rs["chunks"]), H, 128, dtype=torch.float64)
+    q64, k64, v64, b64 = (x.double() for x in (cpu[0], cpu[1], cpu[2], cpu[4]))
+    for c, (_, c0, c1) in enumerate(rs["chunks"].tolist()):
+        p = {x: reference._saved_chunk(rs, x, c0, c1)
+             for x in ("Gam", "W", "U", "v_new", "Kg", "Qg", "Aqk", "Akk_inv")}
+        p["gam"] = rs["gam"][c]
+        hf = lambda x: reference._to_head_first(x, c0, c1)  # noqa: E731
+        r = reference.chunk_bwd(hf(q64), hf(k64), hf(v64), b64[0, c0:c1].transpose(0, 1), hf(do64),
+                                rs["S"][c], ref_tape[c], p, rs["scale"])
+        L = c1 - c0
+        for name, key in (("dv", "dv"), ("drk", "dRk"), ("dqg", "dQg"), ("dkg", "dKg")):
+            want[name][0, c0:c1] = r[key].transpose(0, 1)
+        want["daqk"][0, c0:c1, :, :L] = r["dAqk"].transpose(0, 1)
+        want["dakk"][0, c0:c1, :, :L] = r["dAkk"].transpose(0, 1)
+        want["dbeta_v"][0, c0:c1] = (hf(v64) * r["dRv"]).sum(-1).transpose(0, 1)
+        dgam_s[c] = torch.exp(rs["gam"][c]) * (rs["S"][c] * ref_tape[c]).sum(-1)
+    want["dgam_s"] = dgam_s
+    for name, ref in want.items():
+        e = rel_rms(got[name].cpu(), ref)
+        print(f"{name}: {e:.2e}")
+        assert torch.isfinite(got[name]).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"

@@ -30,6 +30,7 @@ struct KdaFwdArgs {
   uint16_t* kg;                 // [T, H, 128] bf16  K * exp(gamma - Gamma)
   uint16_t* aqk;                // [T, H, 64]  bf16  row i of the chunk's tril(Aqk)
   float* gamma;                 // [n_chunks, H, 128] fp32: Gamma at the chunk's last token
+  uint16_t* akk_inv;            // [T, H, 64]  bf16  row i of the chunk's (I + L)^-1, or null (for the backward)
   // kda_fwd_tape outputs
   uint16_t* o;                  // [T, H, 128] bf16
   float* final_state;           // [N, H, 128, 128] fp32 or null
@@ -53,7 +54,24 @@ struct KdaBwdArgs {
   const int32_t* seg_chunks;     // [N + 1]
   const float* dfinal_state;     // [N, H, 128, 128] fp32 or null
   float* dtape;                  // [n_chunks, H, 128, 128] fp32: gradient of the state at each chunk END
+                                 // (kda_bwd_tape writes it, kda_bwd_chunk reads it)
   float* dinitial_state;         // [N, H, 128, 128] fp32 or null
+  // kda_bwd_chunk inputs (besides dout, w, kg, aqk, gamma, chunks, dtape)
+  const uint16_t* v;             // [T, H, 128] bf16
+  const uint16_t* u;             // [T, H, 128] bf16
+  const uint16_t* vnew;          // [T, H, 128] bf16 V'
+  const uint16_t* akk_inv;       // [T, H, 64]  bf16 (I + L)^-1
+  const uint16_t* beta;          // [T, H] bf16
+  const float* tape;             // [n_chunks, H, 128, 128] fp32 state at each chunk start
+  // kda_bwd_chunk outputs (the plain products of the chunk-parallel backward)
+  uint16_t* dv;                  // [T, H, 128] bf16  beta * dRv
+  float* drk;                    // [T, H, 128] fp32  dRk = (I + L)^-T dW,  dW = -dV' S^T
+  float* dqg;                    // [T, H, 128] fp32  scale dO S^T
+  float* dkg;                    // [T, H, 128] fp32  V' dS_end^T
+  float* daqk;                   // [T, H, 64]  fp32  scale tril(dO V'^T)
+  float* dakk;                   // [T, H, 64]  fp32  -tril_strict(dRk W^T + dRv U^T)
+  float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
+  float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)
   int64_t T, N, H, n_chunks;
   float scale;
 };

@@ -23,7 +23,8 @@ struct KdaTensors {
 inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what) {
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
-                                 "dout", "dfinal_state", "dtape", "dinitial_state"};
+                                 "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
+                                 "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -86,6 +87,15 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dfinal_state", kFloat32, state, "[N, H, 128, 128]"},
       {"dtape", kFloat32, {C, H, kHeadDim, kHeadDim}, "[n_chunks, H, 128, 128]"},
       {"dinitial_state", kFloat32, state, "[N, H, 128, 128]"},
+      {"akk_inv", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"dv", kBFloat16, tok, "[1, T, H, 128]"},
+      {"drk", kFloat32, tok, "[1, T, H, 128]"},
+      {"dqg", kFloat32, tok, "[1, T, H, 128]"},
+      {"dkg", kFloat32, tok, "[1, T, H, 128]"},
+      {"daqk", kFloat32, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"dakk", kFloat32, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"dbeta_v", kFloat32, {1, T, H}, "[1, T, H]"},
+      {"dgam_s", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -136,6 +146,7 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.kg = reinterpret_cast<uint16_t*>(k.ptr("kg"));
   a.aqk = reinterpret_cast<uint16_t*>(k.ptr("aqk"));
   a.gamma = reinterpret_cast<float*>(k.ptr("gamma"));
+  a.akk_inv = reinterpret_cast<uint16_t*>(k.ptr("akk_inv"));
   a.tape = reinterpret_cast<float*>(k.ptr("tape"));
   a.vnew = reinterpret_cast<uint16_t*>(k.ptr("vnew"));
   a.final_state = reinterpret_cast<float*>(k.ptr("final_state"));
@@ -158,6 +169,20 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.dfinal_state = reinterpret_cast<const float*>(k.ptr("dfinal_state"));
   a.dtape = reinterpret_cast<float*>(k.ptr("dtape"));
   a.dinitial_state = reinterpret_cast<float*>(k.ptr("dinitial_state"));
+  a.v = reinterpret_cast<const uint16_t*>(k.ptr("v"));
+  a.u = reinterpret_cast<const uint16_t*>(k.ptr("u"));
+  a.vnew = reinterpret_cast<const uint16_t*>(k.ptr("vnew"));
+  a.akk_inv = reinterpret_cast<const uint16_t*>(k.ptr("akk_inv"));
+  a.beta = reinterpret_cast<const uint16_t*>(k.ptr("beta"));
+  a.tape = reinterpret_cast<const float*>(k.ptr("tape"));
+  a.dv = reinterpret_cast<uint16_t*>(k.ptr("dv"));
+  a.drk = reinterpret_cast<float*>(k.ptr("drk"));
+  a.dqg = reinterpret_cast<float*>(k.ptr("dqg"));
+  a.dkg = reinterpret_cast<float*>(k.ptr("dkg"));
+  a.daqk = reinterpret_cast<float*>(k.ptr("daqk"));
+  a.dakk = reinterpret_cast<float*>(k.ptr("dakk"));
+  a.dbeta_v = reinterpret_cast<float*>(k.ptr("dbeta_v"));
+  a.dgam_s = reinterpret_cast<float*>(k.ptr("dgam_s"));
   a.T = k.T;
   a.N = k.N;
   a.H = k.H;
