@@ -3,7 +3,7 @@ initial and final state."""
 import torch
 import torch.nn.functional as F
 
-from kda_aot.kda import chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.kda import chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
 
 lens, H = [1, 63, 64, 65, 200], 2
 T = sum(lens)
@@ -14,7 +14,11 @@ g = -5 * torch.rand(1, T, H, 128, device="cuda")
 beta = torch.rand(1, T, H, device="cuda").to(torch.bfloat16)
 cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
 h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
-_, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
-chunk_kda_bwd_walk(saved, torch.randn_like(q), torch.randn_like(h0))
+for form in ("full", "split"):
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                save_tape=True, tape_form=form)
+dout = torch.randn_like(q)
+dtape, _ = chunk_kda_bwd_walk(saved, dout, torch.randn_like(h0))
+chunk_kda_bwd_chunk(saved, dout, dtape)
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import registry
 from ..kda import chunk_kda_fwd
 from .common import interleaved, peak_gib, row
 from .packs import HEAD_DIM, PACKS
@@ -39,6 +40,12 @@ def run(packs=("Q1",), H: int = 32, iters: int = 10) -> list[dict]:
     for pack in packs:
         q, k, v, g, beta, cu = inputs(PACKS[pack], H)
         arms = {"kda_aot": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)}
+        try:  # the split walk form, when built (test-only until the fit rule ships it)
+            registry.library("kda_fwd_tape", "split")
+            arms["kda_aot:split"] = lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                                          tape_form="split")
+        except registry.RecordError:
+            pass
         if fla is not None:
             cu64 = cu.long()
             arms["fla"] = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu64)
@@ -46,7 +53,7 @@ def run(packs=("Q1",), H: int = 32, iters: int = 10) -> list[dict]:
         ms = interleaved(arms, iters=iters, warmup=2)
         for name, t in ms.items():
             rows.append(row("single", pack=pack, heads=H, boundary="fwd", mode="none", arm=name,
-                            walk_form="full" if name == "kda_aot" else None, ms=round(t, 3),
+                            walk_form={"kda_aot": "full", "kda_aot:split": "split"}.get(name), ms=round(t, 3),
                             peak_gib=round(peaks[name], 2)))
         if "fla" in ms:
             rows.append(row("single", pack=pack, heads=H, boundary="fwd", mode="none",
