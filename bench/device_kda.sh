@@ -2,7 +2,7 @@
 # One device call for the KDA kernels: build only them, GPU tests, sanitizers, forward benchmark.
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
-KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
+KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
 python3 -X faulthandler -m pytest -q -rs -s tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py "$@" 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "o [0-9]|dtape|^d[a-z_]+: |passed|failed|Error|assert" | tail -40
 for tool in memcheck racecheck; do

@@ -3,7 +3,7 @@ initial and final state."""
 import torch
 import torch.nn.functional as F
 
-from kda_aot.kda import chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.kda import chunk_kda_bwd, chunk_kda_fwd
 
 lens, H = [1, 63, 64, 65, 200], 2
 T = sum(lens)
@@ -17,8 +17,6 @@ h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
 for form in ("full", "split"):
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                                 save_tape=True, tape_form=form)
-dout = torch.randn_like(q)
-dtape, _ = chunk_kda_bwd_walk(saved, dout, torch.randn_like(h0))
-chunk_kda_bwd_chunk(saved, dout, dtape)
+chunk_kda_bwd(saved, torch.randn_like(q), torch.randn_like(h0))
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

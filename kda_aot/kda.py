@@ -121,3 +121,20 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, scale=None):
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     registry.library("kda_bwd_chunk").launch(desc, scale, stream_of(q))
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
+
+
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, scale=None):
+    """Every input gradient from a forward run with save_tape=True: the backward walk
+    (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
+    Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32)."""
+    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state, scale=scale)
+    parts = chunk_kda_bwd_chunk(saved, dout, dtape, scale=scale)
+    q = saved["q"]
+    t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
+    t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
+    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]),
+             dbeta=torch.empty(saved["beta"].shape, device=q.device, dtype=torch.float32))
+    desc = {name: describe(x, name) for name, x in t.items()}
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    registry.library("kda_bwd_gate").launch(desc, scale, stream_of(q))
+    return t["dq"], t["dk"], parts["dv"], t["dg"], t["dbeta"], dh0

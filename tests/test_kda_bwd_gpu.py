@@ -10,7 +10,7 @@ import torch
 
 from conftest import SEED, gpu
 from kda_aot import reference
-from kda_aot.kda import chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
 from test_kda_fwd_gpu import PACKS, REL, make, rel_rms, rng
 
 pytestmark = gpu
@@ -89,3 +89,24 @@ def test_chunk_stage_products_match_reference():
         e = rel_rms(got[name].cpu(), ref)
         print(f"{name}: {e:.2e}")
         assert torch.isfinite(got[name]).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
+@pytest.mark.parametrize("dfinal", [False, True])
+def test_all_gradients_match_reference(pack, gate, dfinal):
+    lens, H = PACKS[pack], 2
+    q, k, v, g, beta, cu, h0 = make(lens, H, gate, rng(("grads", pack, gate, dfinal)), True)
+    T, N = q.shape[1], len(lens)
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+    dout = torch.randn(1, T, H, 128, device="cuda", generator=rng(("gdo", pack))).to(torch.bfloat16)
+    dht = torch.randn(N, H, 128, 128, device="cuda", generator=rng(("gdht", pack))) if dfinal else None
+    got = chunk_kda_bwd(saved, dout, dht)
+    cpu = [x.cpu() for x in (q, k, v, g, beta)]
+    rs = reference.kda_chunked_fwd_saved(*cpu, cu_seqlens=cu.cpu(), initial_state=h0.cpu())
+    want = reference.kda_chunked_bwd(rs, dout.cpu(), None if dht is None else dht.cpu(),
+                                     q=cpu[0], k=cpu[1], v=cpu[2], g=cpu[3], beta=cpu[4])
+    for name, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        e = rel_rms(x.cpu(), ref)
+        print(f"{pack} {gate} dfinal={dfinal} {name}: {e:.2e}")
+        assert torch.isfinite(x).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"

@@ -72,6 +72,14 @@ struct KdaBwdArgs {
   float* dakk;                   // [T, H, 64]  fp32  -tril_strict(dRk W^T + dRv U^T)
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
   float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)
+  // kda_bwd_gate inputs: q, k, g, beta and the fp32 intermediates above; outputs:
+  const uint16_t* q;             // [T, H, 128] bf16
+  const uint16_t* k;             // [T, H, 128] bf16
+  const float* g;                // [T, H, 128] fp32
+  uint16_t* dq;                  // [T, H, 128] bf16
+  uint16_t* dk;                  // [T, H, 128] bf16
+  float* dg;                     // [T, H, 128] fp32
+  float* dbeta;                  // [T, H] fp32
   int64_t T, N, H, n_chunks;
   float scale;
 };

@@ -24,7 +24,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
-                                 "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s"};
+                                 "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -96,6 +96,10 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dakk", kFloat32, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dbeta_v", kFloat32, {1, T, H}, "[1, T, H]"},
       {"dgam_s", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
+      {"dq", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dk", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dg", kFloat32, tok, "[1, T, H, 128]"},
+      {"dbeta", kFloat32, {1, T, H}, "[1, T, H]"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -183,6 +187,13 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.dakk = reinterpret_cast<float*>(k.ptr("dakk"));
   a.dbeta_v = reinterpret_cast<float*>(k.ptr("dbeta_v"));
   a.dgam_s = reinterpret_cast<float*>(k.ptr("dgam_s"));
+  a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
+  a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
+  a.g = reinterpret_cast<const float*>(k.ptr("g"));
+  a.dq = reinterpret_cast<uint16_t*>(k.ptr("dq"));
+  a.dk = reinterpret_cast<uint16_t*>(k.ptr("dk"));
+  a.dg = reinterpret_cast<float*>(k.ptr("dg"));
+  a.dbeta = reinterpret_cast<float*>(k.ptr("dbeta"));
   a.T = k.T;
   a.N = k.N;
   a.H = k.H;
