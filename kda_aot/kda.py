@@ -138,3 +138,49 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, scale=None):
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     registry.library("kda_bwd_gate").launch(desc, scale, stream_of(q))
     return t["dq"], t["dk"], parts["dv"], t["dg"], t["dbeta"], dh0
+
+
+BACKWARD_MODES = ("replay", "saved")
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """saved: the forward keeps the fp32 state tape and the chunk intermediates; replay: it keeps only
+    the inputs (and the initial state) and the backward reruns the forward kernels first. The same
+    kernels see the same bits either way, so the two modes give bitwise equal gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, mode):
+        o, ht, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+                                     initial_state=initial_state, output_final_state=output_final_state,
+                                     save_tape=mode == "saved")
+        ctx.mode, ctx.scale, ctx.cu_seqlens = mode, scale, cu_seqlens
+        ctx.has_initial_state = initial_state is not None
+        if mode == "saved":
+            ctx.saved_context = saved
+        else:
+            ctx.save_for_backward(q, k, v, g, beta, initial_state)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        if ctx.mode == "saved":
+            saved = ctx.saved_context
+        else:
+            q, k, v, g, beta, h0 = ctx.saved_tensors
+            _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens, scale=ctx.scale,
+                                        initial_state=h0, save_tape=True)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(saved, do, dht, scale=ctx.scale)
+        ctx.saved_context = None
+        return (dq, dk, dv, dg, dbeta.to(saved["beta"].dtype), dh0 if ctx.has_initial_state else None,
+                None, None, None, None)
+
+
+def chunk_kda(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+              backward="replay"):
+    """Chunked KDA on packed documents, differentiable; flash-linear-attention's chunk_kda
+    arguments: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 log decay, beta [1, T, H] bf16,
+    cu_seqlens [N + 1], initial_state [N, H, 128, 128] fp32. Returns (o, final_state or None).
+    (Not exported from the package until its backward kernels have passed their GPU tests.)"""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
+    return _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)
