@@ -149,10 +149,3 @@ def test_replay_keeps_no_per_chunk_tensors():
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before
     assert kept <= o.numel() * o.element_size() + ht.numel() * ht.element_size() + (1 << 20), kept
-
-
-def test_bad_backward_mode():
-    from kda_aot.kda import chunk_kda
-    q, k, v, g, beta, cu, h0 = make([64], 1, "rand", rng("mode"), False)
-    with pytest.raises(ValueError, match="backward: expected one of"):
-        chunk_kda(q, k, v, g, beta, cu_seqlens=cu, backward="checkpoint")

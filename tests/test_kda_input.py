@@ -123,3 +123,10 @@ def test_pack_tables_are_cached_by_value_and_accept_cpu_boundaries():
     assert a.seg_chunks.cpu().tolist() == [0, 1, 2, 4, 7]
     with pytest.raises(ValueError, match="cu_seqlens: must end at T = 260"):
         pack_tables(torch.tensor([0, 1, 65, 130, 259]), 260, DEV)
+
+
+def test_backward_mode_must_be_known():
+    from kda_aot.kda import chunk_kda
+    q, k, v, g, b, cu = good()
+    with pytest.raises(ValueError, match="backward: expected one of"):
+        chunk_kda(q, k, v, g, b, cu_seqlens=cu, backward="checkpoint")
