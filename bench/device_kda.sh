@@ -11,3 +11,4 @@ for tool in memcheck racecheck; do
 done
 PYTHONPATH=$PWD:${PYTHONPATH:-} python3 bench/profile_kda.py Q1 32 2>&1 | grep -E "kda_|Self CUDA"
 python3 -m kda_aot.bench single --pack Q1 --iters 10 --out "$OUT" 2>&1 | tail -6
+PYTHONPATH=$PWD:${PYTHONPATH:-} python3 bench/measure_rho.py 2>&1 | tail -2; cp kda_aot/fit_params.json "$OUT/" 2>/dev/null

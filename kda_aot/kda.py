@@ -8,9 +8,11 @@ fp32 state at every chunk start and V' when the saved-context backward needs the
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import registry
+from . import fit, registry
 from ._tensor import describe, stream_of
 from .packing import CHUNK, PackTables, pack_tables
 
@@ -44,11 +46,17 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
     return tables
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, tape_form="full"):
+                  save_tape=False, out=None, tape_form=None):
     """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates,
     plus the fp32 state tape, V' and (I + L)^-1 when `save_tape` (what the backward needs). `out` may hold preallocated `o` /
-    `final_state` (tests poison them)."""
+    `final_state` (tests poison them). tape_form: auto | full | split (default: the
+    KDA_AOT_WALK_FORM knob, else auto = the fit rule)."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H, N = q.shape[1], q.shape[2], tables.n_segments
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
@@ -73,7 +81,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     stream = stream_of(q)
     registry.library("kda_fwd_chunk").launch(desc, scale, stream)
-    registry.library("kda_fwd_tape", tape_form).launch(desc, scale, stream)
+    form = fit.choose_form("kda_fwd_tape", tables.chain_lengths, H, _sm_count(dev), tape_form)
+    registry.library("kda_fwd_tape", form).launch(desc, scale, stream)
     return t["o"], t["final_state"], t
 
 

@@ -29,7 +29,7 @@ def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:
     return chunks, seg_chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackTables:
     bounds: tuple        # host copy of cu_seqlens
     cu: torch.Tensor     # [N + 1] int32 on the device
@@ -39,6 +39,11 @@ class PackTables:
     @property
     def n_segments(self) -> int:
         return len(self.bounds) - 1
+
+    @functools.cached_property
+    def chain_lengths(self) -> tuple:
+        """Chunks of each segment: the lengths of the state-walk chains (per head)."""
+        return tuple(-(-(e - s) // CHUNK) for s, e in zip(self.bounds[:-1], self.bounds[1:]))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,51 @@
+"""The fit rule: list scheduling, the form decision, the knob, the cache."""
+import logging
+
+import pytest
+
+from kda_aot import fit
+
+
+def test_makespan_longest_first():
+    assert fit.makespan([], 4) == 0
+    assert fit.makespan([5, 3, 3, 2], 2) == 7      # 5+2 | 3+3
+    assert fit.makespan([10, 1, 1, 1], 8) == 10    # one long chain dominates
+    assert fit.makespan([4] * 9, 8) == 8           # one wave plus one
+
+
+def test_predicted_makespans():
+    # Q1-like: 4 documents x 32 heads = 128 chains on 132 SMs, longest 1585 chunks
+    lengths = (1585, 641, 1216, 465)
+    assert fit.predicted(lengths, 32, 132, rho=0.55) == pytest.approx({"full": 1585.0, "split": 0.55 * 1585})
+    spans = fit.predicted(lengths, 32, 132, rho=1.05)
+    assert spans["split"] > spans["full"]          # the longest chain sets both; a dearer step loses
+    many = tuple([3] * 500)                        # 16,000 short chains: 122 waves either way
+    assert fit.predicted(many, 32, 132, rho=1.05) == pytest.approx({"full": 366.0, "split": 122 * 3 * 1.05})
+    assert fit.predicted(many, 32, 132, rho=0.6)["split"] < 366.0
+
+
+def test_knob_and_unmeasured_rho(monkeypatch, caplog):
+    fit._decide.cache_clear()
+    monkeypatch.setattr(fit, "measured_rho", lambda: {})
+    with caplog.at_level(logging.INFO, logger="kda_aot.fit"):
+        assert fit.choose_form("kda_fwd_tape", (1585, 641), 32, 132, "auto") == "full"
+    assert "rho not measured" in caplog.text
+    assert fit.choose_form("kda_fwd_tape", (1585, 641), 32, 132, "split") == "split"
+    monkeypatch.setenv("KDA_AOT_WALK_FORM", "split")
+    assert fit.choose_form("kda_fwd_tape", (3, 3), 1, 132) == "split"
+    with pytest.raises(ValueError, match="walk_form: expected one of"):
+        fit.choose_form("kda_fwd_tape", (3,), 1, 132, "half")
+
+
+def test_measured_rho_decides_and_decisions_are_cached(monkeypatch):
+    q1 = (1585, 641, 1216, 465)
+    fit._decide.cache_clear()
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": 0.55})
+    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "split"
+    hits = fit._decide.cache_info().hits
+    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "split"
+    assert fit._decide.cache_info().hits == hits + 1  # the second launch is a dictionary lookup
+    fit._decide.cache_clear()
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": 1.05})
+    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "full"
+    fit._decide.cache_clear()
