@@ -2,9 +2,9 @@
 # One device call for the KDA kernels: build only them, GPU tests, sanitizers, forward benchmark.
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
-KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
+KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate,kcp_transfer python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
-python3 -X faulthandler -m pytest -q -rs -s tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py "$@" 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "o [0-9]|dtape|^d[a-z_]+: |passed|failed|Error|assert" | tail -40
+python3 -X faulthandler -m pytest -q -rs -s tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py tests/test_cp_cuda.py "$@" 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "o [0-9]|dtape|^d[a-z_]+: |M [0-9]|passed|failed|Error|assert" | tail -40
 for tool in memcheck racecheck; do
   PYTHONPATH=$PWD:${PYTHONPATH:-} compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py > "$OUT/sanitizer_kda_$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $?"; tail -2 "$OUT/sanitizer_kda_$tool.log"

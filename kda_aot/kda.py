@@ -80,14 +80,15 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     }
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     stream = stream_of(q)
+    t["scale"] = scale  # the backward programs read it from the saved context
     registry.library("kda_fwd_chunk").launch(desc, scale, stream)
     form = fit.choose_form("kda_fwd_tape", tables.chain_lengths, H, _sm_count(dev), tape_form)
     registry.library("kda_fwd_tape", form).launch(desc, scale, stream)
     return t["o"], t["final_state"], t
 
 
-def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, scale=None, need_dinitial_state=True,
-                       out=None, tape_form="full"):
+def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
+                       tape_form="full"):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
     d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors."""
@@ -97,7 +98,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, scale=None, need
     if dout.shape != q.shape:
         raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
     N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    scale = saved["scale"]
     out = dict(out or {})
     f32 = dict(device=q.device, dtype=torch.float32)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
@@ -110,7 +111,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, scale=None, need
     return t["dtape"], t["dinitial_state"]
 
 
-def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, scale=None):
+def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv (bf16) and the fp32
     intermediates drk, dqg, dkg, daqk, dakk, dbeta_v, dgam_s (see templates/common/kda.h)."""
@@ -118,7 +119,7 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, scale=None):
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
     T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    scale = saved["scale"]
     f32 = dict(device=q.device, dtype=torch.float32)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
@@ -132,20 +133,19 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, scale=None):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, scale=None):
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32)."""
-    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state, scale=scale)
-    parts = chunk_kda_bwd_chunk(saved, dout, dtape, scale=scale)
+    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
+    parts = chunk_kda_bwd_chunk(saved, dout, dtape)
     q = saved["q"]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
     t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]),
              dbeta=torch.empty(saved["beta"].shape, device=q.device, dtype=torch.float32))
     desc = {name: describe(x, name) for name, x in t.items()}
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
-    registry.library("kda_bwd_gate").launch(desc, scale, stream_of(q))
+    registry.library("kda_bwd_gate").launch(desc, saved["scale"], stream_of(q))
     return t["dq"], t["dk"], parts["dv"], t["dg"], t["dbeta"], dh0
 
 
@@ -178,7 +178,7 @@ class _ChunkKDA(torch.autograd.Function):
             q, k, v, g, beta, h0 = ctx.saved_tensors
             _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens, scale=ctx.scale,
                                         initial_state=h0, save_tape=True)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(saved, do, dht, scale=ctx.scale)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(saved, do, dht)
         ctx.saved_context = None
         return (dq, dk, dv, dg, dbeta.to(saved["beta"].dtype), dh0 if ctx.has_initial_state else None,
                 None, None, None, None)
@@ -193,3 +193,15 @@ def chunk_kda(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, o
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
     return _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)
+
+
+def chunk_kda_transfer(saved: dict):
+    """M = A_n ... A_1 of every segment of a forward run (kcp_transfer, split-bf16 products):
+    S_out = M S_in + B with B the segment's final state from a zero entering state. [N, H, 128, 128] fp32."""
+    q = saved["q"]
+    N, H = saved["seg_chunks"].numel() - 1, q.shape[2]
+    t = {name: saved[name] for name in ("q", "chunks", "seg_chunks", "w", "kg", "gamma")}
+    t["transfer"] = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    desc = {name: describe(x, name) for name, x in t.items()}
+    registry.library("kcp_transfer", "full").launch(desc, saved["scale"], stream_of(q))
+    return t["transfer"]

@@ -17,8 +17,8 @@ states:
         the local backward from (do, the gradient of each segment's exit state); may be called
         more than once on one ctx (the op runs it with dS_out = 0, then with the true dS_out).
 
-For the CUDA backend: summary = offset walk + transfer (M) walk, forward(keep) = tape walk +
-output stage keeping the tape, backward = the backward walks.
+CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
+the forward kernels keeping the tape, backward = the backward kernels.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from .. import reference
 
-__all__ = ["ReferenceBackend", "get_backend"]
+__all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
 
 class ReferenceBackend:
@@ -71,16 +71,48 @@ class ReferenceBackend:
         return tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads))
 
 
+class CudaBackend:
+    """The KDA kernels (kda_aot.kda) behind the same seam: summary = the forward walk from a zero
+    state (B = its final state) + the transfer walk (M); forward(keep) = the forward kernels keeping
+    the tape; backward = the backward kernels on that saved context (reusable: it is read only).
+    States fp32; q, k, v, dO bf16. (Its records are test-only until verified on the GPU.)"""
+    name = "cuda"
+    state_dtype = torch.float32
+
+    def __repr__(self):
+        return "CudaBackend()"
+
+    def summary(self, k, v, g, beta, lo: int, hi: int):
+        from ..kda import chunk_kda_fwd, chunk_kda_transfer
+        frag = [x[:, lo:hi] for x in (k, v, g, beta)]
+        cu = torch.tensor([0, hi - lo], dtype=torch.int32)  # CPU boundaries: no host sync
+        # the walk needs a q; the fragment's k stands in (the output is discarded)
+        _, B, saved = chunk_kda_fwd(frag[0], *frag, cu_seqlens=cu, output_final_state=True)
+        return chunk_kda_transfer(saved)[0], B[0]
+
+    def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
+                scale: float, keep: bool):
+        from ..kda import chunk_kda_fwd
+        cu = torch.tensor(list(cu_local), dtype=torch.int32)
+        o, finals, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, scale=scale,
+                                         initial_state=states.to(torch.float32).contiguous(),
+                                         output_final_state=True, save_tape=keep)
+        return o, finals, (saved if keep else None)
+
+    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
+        from ..kda import chunk_kda_bwd
+        return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())
+
+
 def get_backend(backend, dtype: Optional[torch.dtype] = None):
     """'reference' | 'cuda' | a backend object -> a backend object."""
     if isinstance(backend, str):
         if backend == "reference":
             return ReferenceBackend(dtype or torch.float32)
         if backend == "cuda":
-            raise NotImplementedError(
-                "kda_aot.cp: backend='cuda' is not available yet: the context-parallel KDA walks "
-                "(offset/transfer/tape/backward kernels) are still being written (KDA CUDA kernels "
-                "issue); use backend='reference' meanwhile")
+            if not torch.cuda.is_available():
+                raise RuntimeError("kda_aot.cp: backend='cuda' needs a CUDA GPU")
+            return CudaBackend()
         raise ValueError(f"unknown backend {backend!r}: valid backends are 'reference', 'cuda' "
                          f"(or a backend object, see kda_aot.cp.backends)")
     for attr in ("summary", "forward", "backward", "state_dtype", "name"):

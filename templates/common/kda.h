@@ -34,6 +34,7 @@ struct KdaFwdArgs {
   // kda_fwd_tape outputs
   uint16_t* o;                  // [T, H, 128] bf16
   float* final_state;           // [N, H, 128, 128] fp32 or null
+  float* transfer;              // kcp_transfer output: [N, H, 128, 128] fp32 M = A_n ... A_1 per segment
   float* tape;                  // [n_chunks, H, 128, 128] fp32 state at each chunk start, or null
   uint16_t* vnew;               // [T, H, 128] bf16 V' = U - W S, or null (both kept for the saved backward)
 };

@@ -24,7 +24,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
-                                 "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta"};
+                                 "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
+                                 "transfer"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -100,6 +101,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dk", kBFloat16, tok, "[1, T, H, 128]"},
       {"dg", kFloat32, tok, "[1, T, H, 128]"},
       {"dbeta", kFloat32, {1, T, H}, "[1, T, H]"},
+      {"transfer", kFloat32, state, "[N, H, 128, 128]"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -108,7 +110,10 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     expect_dtype(it->second, sp.dtype);
     expect_shape(it->second, sp.shape, sp.spelled);
     expect_contiguous(it->second);
-    expect_aligned(it->second, sp.dtype == kInt32 ? 8 : 16);
+    // beta and dbeta are read per element; every other tensor in 16-byte vectors
+    const bool scalar = std::string(sp.name) == "beta" || std::string(sp.name) == "dbeta" ||
+                        std::string(sp.name) == "dbeta_v";
+    expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
   }
   expect_one_cuda_device(all);
@@ -154,6 +159,7 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.tape = reinterpret_cast<float*>(k.ptr("tape"));
   a.vnew = reinterpret_cast<uint16_t*>(k.ptr("vnew"));
   a.final_state = reinterpret_cast<float*>(k.ptr("final_state"));
+  a.transfer = reinterpret_cast<float*>(k.ptr("transfer"));
   a.o = reinterpret_cast<uint16_t*>(k.ptr("o"));
   run_launcher(launcher, a, stream, what);
 }
