@@ -40,8 +40,9 @@ class PackedKDA(nn.Module):
     flash-linear-attention's causal_conv1d.
     backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
     backend: "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
-    "cuda" (the conv runs kda_aot.causal_conv1d_silu; KDA raises NotImplementedError until
-    the KDA kernels land).
+    "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.kda, single
+    device or through the CUDA backend of kda_aot.cp; head_dim must be 128; these KDA records are
+    test-only until their GPU tests have passed).
     """
 
     def __init__(self, num_heads: int, head_dim: int = 128, conv_bias: bool = False,
@@ -139,14 +140,22 @@ class PackedKDA(nn.Module):
         None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
-        if self.backend == "cuda":
-            # Fail before the conv and before any collective (every rank runs the same module,
-            # so every rank raises). conv_qkv already runs the CUDA conv.
-            raise NotImplementedError(
-                "PackedKDA(backend='cuda'): the KDA CUDA kernels are not wired in yet (KDA "
-                "kernels issue); conv_qkv() runs the CUDA conv; use backend='reference' for "
-                "the whole layer meanwhile")
+        if self.backend == "cuda" and self.head_dim != 128:
+            # before the conv and before any collective: every rank raises
+            raise ValueError(f"PackedKDA(backend='cuda'): head_dim must be 128, got {self.head_dim}")
         qc, kc, vc = self.conv_qkv(q, k, v, cu_seqlens=cu_seqlens, plan=plan, group=group)
+        if self.backend == "cuda":
+            from .cp.backends import CudaBackend
+            from .kda import chunk_kda
+            if plan is not None:
+                o, final = chunk_kda_cp(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
+                                        initial_state=initial_state, output_final_state=output_final_state,
+                                        backward=self.backward_mode, backend=CudaBackend())
+            else:
+                o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+                                     initial_state=initial_state, output_final_state=output_final_state,
+                                     backward=self.backward_mode)
+            return o.to(q.dtype), final
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         if plan is not None:
             o, final = chunk_kda_cp(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,

@@ -150,11 +150,35 @@ def test_argument_errors():
         PackedKDA(2, 8, backend="triton")
 
 
-def test_cuda_backend_kda_not_yet():
+def test_cuda_backend_needs_head_dim_128():
     m = PackedKDA(2, 8, backend="cuda")
     (q, k, v), g, beta, cu = inputs("cuda", [4, 4], 2, 8)
-    with pytest.raises(NotImplementedError, match="KDA CUDA kernels"):
+    with pytest.raises(ValueError, match="head_dim must be 128"):
         m(q, k, v, g, beta, cu_seqlens=cu)
+
+
+@gpu
+def test_cuda_layer_matches_reference_layer():
+    """The whole layer on the CUDA kernels (bf16 activations) against the reference backend in
+    fp32 on the same bf16 inputs: relative RMS 1e-2 for o and every gradient (the bf16 budget)."""
+    H, Dh, lens = 2, 128, [65, 1, 200]
+    (q, k, v), g, beta, cu = inputs("layer", lens, H, Dh)
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    mc = module(H, Dh, "layer", backend="cuda").cuda()
+    mr = module(H, Dh, "layer")
+    xs_c = [t.cuda().requires_grad_() for t in (q, k, v)]
+    xs_r = [t.float().requires_grad_() for t in (q, k, v)]
+    oc, _ = mc(*xs_c, g.cuda(), beta.cuda(), cu_seqlens=cu)
+    orr, _ = mr(*xs_r, g, beta.float(), cu_seqlens=cu)
+    do = torch.randn(orr.shape, generator=gen_for("layer-do"))
+    oc.backward(do.to(torch.bfloat16).cuda())
+    orr.backward(do)
+    rel = lambda a, b: ((a.float().cpu() - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(oc, orr.detach()) < 1e-2
+    for a, b in zip(xs_c, xs_r):
+        assert rel(a.grad, b.grad) < 1e-2
+    for n in ("q_conv_weight", "k_conv_weight", "v_conv_weight"):
+        assert rel(getattr(mc, n).grad, getattr(mr, n).grad) < 1e-2, n
 
 
 @gpu
