@@ -1,4 +1,5 @@
-"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--iters N] [--out DIR]"""
+"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--iters N] [--out DIR]
+torchrun --nproc-per-node W -m kda_aot.bench cp [--pack ...] [--heads 32] [--iters N] [--out DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,10 @@ from .common import write_rows
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cp"]:  # context parallel: its own launcher (torchrun) and arguments
+        from . import cp
+        return cp.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m kda_aot.bench")
     p.add_argument("suite", choices=("conv", "single"))
     p.add_argument("--pack", default="Q1")

@@ -1,0 +1,137 @@
+"""Context-parallel benchmark (issue 4): `torchrun --nproc-per-node W -m kda_aot.bench cp`.
+
+B1 = PackedKDA forward (conv halo exchange, conv1d + SiLU on q, k, v, KDA state passing and
+recurrence, communication included); B3 = forward + checkpoint replay + backward. Packs of
+DESIGN.md §5, H = 32, layouts contiguous / zigzag / doc_zigzag. Latency = median over steady
+iterations of the slowest rank (each iteration's time is all-reduced with MAX), arms interleaved.
+flash-linear-attention's CP (build_cp_context, contiguous and zigzag) runs side by side for its
+KDA part (chunk_kda with cp_context; its conv is not part of that arm).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from .. import cp
+from ..nn import PackedKDA
+from .common import row, write_rows
+from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
+
+LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
+
+
+def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        t = torch.tensor([a.elapsed_time(b)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def fla_kda():
+    try:
+        from fla.ops.cp import build_cp_context
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    return build_cp_context, chunk_kda
+
+
+def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None) -> list[dict]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    fla = fla_kda()
+    torch.manual_seed(1234)  # the same module weights on every rank
+    module = PackedKDA(H, HEAD_DIM, backend="cuda", backward="replay").to(dev)
+    for pack in packs:
+        lens = PACKS[pack]
+        T = sum(lens)
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        gen = torch.Generator(device=dev).manual_seed(4321)  # the same global inputs on every rank
+        D = H * HEAD_DIM
+        xs = [torch.randn(1, T, D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3)]
+        g = -5 * torch.rand(1, T, H, HEAD_DIM, device=dev, generator=gen)
+        beta = torch.rand(1, T, H, device=dev, generator=gen).to(torch.bfloat16)
+        for layout in LAYOUTS:
+            plan = cp.make_plan(cu, layout, group=dist.group.WORLD)
+            q, k, v = (plan.shard(x).contiguous() for x in xs)
+            gl, bl = plan.shard(g).contiguous(), plan.shard(beta).contiguous()
+            do = torch.randn(1, q.shape[1], H, HEAD_DIM, device=dev, generator=gen).to(torch.bfloat16)
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+            def b1():
+                with torch.no_grad():
+                    module(q, k, v, gl, bl, plan=plan)
+
+            def b3():
+                o, _ = module(*leaves, gl, bl, plan=plan)
+                o.backward(do)
+
+            arms = {("kda_aot", "B1"): b1, ("kda_aot", "B3"): b3}
+            if fla is not None and layout in ("contiguous", "zigzag"):
+                build_cp_context, fla_chunk_kda = fla
+                ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
+                qh, kh, vh = (x.view(1, -1, H, HEAD_DIM) for x in (q, k, v))
+                fl = [x.clone().requires_grad_() for x in (qh, kh, vh)]
+
+                def fla_b1():
+                    with torch.no_grad():
+                        fla_chunk_kda(qh, kh, vh, gl, bl, cp_context=ctx)
+
+                def fla_b3():
+                    o, _ = fla_chunk_kda(*fl, gl, bl, cp_context=ctx)
+                    o.backward(do)
+
+                arms[("fla_kda_only", "B1")] = fla_b1
+                arms[("fla_kda_only", "B3")] = fla_b3
+            times = {key: [] for key in arms}
+            for _ in range(iters):  # interleaved: each round times every arm once
+                for key, fn in arms.items():
+                    times[key].append(slowest_rank_ms(fn, 1, warmup=0 if times[key] else 2))
+            for (arm, boundary), ts in times.items():
+                rows.append(row("cp", pack=pack, heads=H, cp=world, layout=layout, boundary=boundary,
+                                mode="replay", arm=arm, walk_form="auto", ms=round(statistics.median(ts), 3)))
+            del q, k, v, gl, bl, do, leaves
+        del xs, g, beta
+        torch.cuda.empty_cache()
+    if rank == 0:
+        write_rows(rows, f"cp{world}", out_dir)
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node W -m kda_aot.bench.cp")
+    p.add_argument("--pack", default=",".join(PACKS))
+    p.add_argument("--heads", type=int, default=HEADS_DEFAULT)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    try:
+        rows = run(packs=args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out)
+        if dist.get_rank() == 0:
+            for r in rows:
+                print(json.dumps(r, sort_keys=True))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
