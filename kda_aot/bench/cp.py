@@ -89,10 +89,10 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
 
                 def fla_b1():
                     with torch.no_grad():
-                        fla_chunk_kda(qh, kh, vh, gl, bl, cp_context=ctx)
+                        fla_chunk_kda(qh, kh, vh, gl, bl, use_qk_l2norm_in_kernel=True, cp_context=ctx)
 
                 def fla_b3():
-                    o, _ = fla_chunk_kda(*fl, gl, bl, cp_context=ctx)
+                    o, _ = fla_chunk_kda(*fl, gl, bl, use_qk_l2norm_in_kernel=True, cp_context=ctx)
                     o.backward(do)
 
                 arms[("fla_kda_only", "B1")] = fla_b1
