@@ -85,3 +85,45 @@ __device__ __forceinline__ void cp_chunk_cols(__nv_bfloat16 (*dst)[kPitch], cons
 }
 
 }  // namespace kda
+
+namespace kda {
+
+// A warp's 16-row slice of a 128 x (8 NT) fp32 state in mma accumulator layout (rows m0 + g8 and
+// m0 + g8 + 8, columns 8 nt + 2 tg, +1), to or from a row-major matrix with 128-float rows.
+template <int NT>
+__device__ __forceinline__ void store_state(float* dst, const float (&st)[NT][4], int m0) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, tg = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int col = nt * 8 + 2 * tg;
+    *reinterpret_cast<float2*>(dst + (m0 + g8) * kHeadDim + col) = make_float2(st[nt][0], st[nt][1]);
+    *reinterpret_cast<float2*>(dst + (m0 + g8 + 8) * kHeadDim + col) = make_float2(st[nt][2], st[nt][3]);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void load_state(float (&st)[NT][4], const float* src, int m0) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, tg = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int col = nt * 8 + 2 * tg;
+    const float2 lo = *reinterpret_cast<const float2*>(src + (m0 + g8) * kHeadDim + col);
+    const float2 hi = *reinterpret_cast<const float2*>(src + (m0 + g8 + 8) * kHeadDim + col);
+    st[nt][0] = lo.x; st[nt][1] = lo.y; st[nt][2] = hi.x; st[nt][3] = hi.y;
+  }
+}
+
+// Launch `kernel` with `smem` bytes of dynamic shared memory (raising the opt-in limit first).
+template <typename Kernel, typename Args>
+inline int launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, void* stream, const Args& args, char* err,
+                         int errlen) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "%s", cudaGetErrorString(e));
+    return static_cast<int>(e);
+  }
+  kernel<<<grid, threads, smem, static_cast<cudaStream_t>(stream)>>>(args);
+  return launch_status(err, errlen);
+}
+
+}  // namespace kda
