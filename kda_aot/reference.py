@@ -572,7 +572,6 @@ def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.
     if scale is not None and scale != saved["scale"]:
         raise ValueError(f"scale {scale} differs from the forward's {saved['scale']}")
     scale = saved["scale"]
-    T = q.shape[1]
     cu = saved["cu_seqlens"]
     _check_kda_shapes(q, k, v, g, beta, None, len(cu) - 1)
     if tuple(do.shape) != tuple(v.shape):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import torch
 

@@ -12,7 +12,7 @@ tail tokens to their gradient.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 
