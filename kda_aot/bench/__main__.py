@@ -1,4 +1,4 @@
-"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--iters N] [--out DIR]
+"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd] [--iters N] [--out DIR]
 torchrun --nproc-per-node W -m kda_aot.bench cp [--pack ...] [--heads 32] [--iters N] [--out DIR]"""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack", default="Q1")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd or both")
     p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
         rows = conv.run(pack=args.pack, iters=args.iters)
     else:
         from . import single
-        rows = single.run(packs=args.pack.split(","), H=args.heads, iters=args.iters)
+        rows = single.run(packs=args.pack.split(","), H=args.heads, iters=args.iters,
+                          boundaries=tuple(args.boundary.split(",")))
     path = write_rows(rows, args.suite, args.out)
     for r in rows:
         print(json.dumps(r, sort_keys=True))

@@ -1,7 +1,10 @@
 """Single-device KDA benchmark: kda_aot against flash-linear-attention's chunk_kda, same run.
 
 Packs of DESIGN.md §5, H = 32 by default; inputs random (q, k L2-normalised, g in [-5, 0],
-beta in (0, 1)). For now the forward only (the backward kernels are the next stage of issue 3).
+beta in (0, 1)). Boundaries: `fwd` (forward only, no graph) and `fwdbwd` (forward + backward of
+o against a random dO, through autograd, leaves' grads reset each step) in both backward modes.
+Peak memory = torch's max allocated over one call, inputs included (the same for every arm).
+An arm that runs out of memory gets a row with "oom": true instead of a time.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import registry
-from ..kda import chunk_kda_fwd
+from ..kda import chunk_kda, chunk_kda_fwd
 from .common import interleaved, peak_gib, row
 from .packs import HEAD_DIM, PACKS
 
@@ -34,30 +37,70 @@ def inputs(lens, H, seed=None):
     return q, k, v, g, beta, cu
 
 
-def run(packs=("Q1",), H: int = 32, iters: int = 10) -> list[dict]:
+def _fwdbwd(fn, leaves, do):
+    """One training step of an arm: forward, backward of o against do, grads dropped first."""
+    def step():
+        for x in leaves:
+            x.grad = None
+        o = fn()
+        o.backward(do)
+    return step
+
+
+def _measure(arms: dict, iters: int) -> tuple[dict, dict]:
+    """Peak memory of each arm alone, then interleaved medians of the arms that fit."""
+    peaks, fits = {}, {}
+    for name, fn in arms.items():
+        try:
+            peaks[name] = peak_gib(fn)
+            fits[name] = fn
+        except torch.cuda.OutOfMemoryError:
+            peaks[name] = None
+        torch.cuda.empty_cache()
+    return peaks, interleaved(fits, iters=iters, warmup=2)
+
+
+def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
+    out = []
+    for name, peak in peaks.items():
+        fields = dict(pack=pack, heads=H, boundary=boundary, mode=mode, arm=name,
+                      walk_form={"kda_aot": "full", "kda_aot:split": "split"}.get(name.split("@")[0]))
+        if peak is None:
+            out.append(row("single", **fields, oom=True))
+        else:
+            out.append(row("single", **fields, ms=round(ms[name], 3), peak_gib=round(peak, 2)))
+    if "fla" in ms and base in ms:
+        out.append(row("single", pack=pack, heads=H, boundary=boundary, mode=mode,
+                       arm="ratio_fla_over_kda_aot", ratio=round(ms["fla"] / ms[base], 3)))
+    return out
+
+
+def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd")) -> list[dict]:
     rows = []
     fla = fla_chunk_kda()
     for pack in packs:
         q, k, v, g, beta, cu = inputs(PACKS[pack], H)
-        arms = {"kda_aot": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)}
-        try:  # the split walk form, when built (test-only until the fit rule ships it)
-            registry.library("kda_fwd_tape", "split")
-            arms["kda_aot:split"] = lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
-                                                          tape_form="split")
-        except registry.RecordError:
-            pass
-        if fla is not None:
-            cu64 = cu.long()
-            arms["fla"] = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu64)
-        peaks = {name: peak_gib(fn) for name, fn in arms.items()}
-        ms = interleaved(arms, iters=iters, warmup=2)
-        for name, t in ms.items():
-            rows.append(row("single", pack=pack, heads=H, boundary="fwd", mode="none", arm=name,
-                            walk_form={"kda_aot": "full", "kda_aot:split": "split"}.get(name), ms=round(t, 3),
-                            peak_gib=round(peaks[name], 2)))
-        if "fla" in ms:
-            rows.append(row("single", pack=pack, heads=H, boundary="fwd", mode="none",
-                            arm="ratio_fla_over_kda_aot", ratio=round(ms["fla"] / ms["kda_aot"], 3)))
-        del q, k, v, g, beta, cu, arms
+        cu64 = cu.long()
+        if "fwd" in boundaries:
+            arms = {"kda_aot": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)}
+            try:  # the split walk form, when built (test-only until the fit rule ships it)
+                registry.library("kda_fwd_tape", "split")
+                arms["kda_aot:split"] = lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu,
+                                                              output_final_state=True, tape_form="split")
+            except registry.RecordError:
+                pass
+            if fla is not None:
+                arms["fla"] = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu64)
+            rows += _rows(pack, H, "fwd", "none", *_measure(arms, iters))
+        if "fwdbwd" in boundaries:
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+            do = torch.randn_like(v)
+            for mode in ("replay", "saved"):
+                arms = {"kda_aot": _fwdbwd(lambda m=mode: chunk_kda(*leaves, cu_seqlens=cu, backward=m)[0], leaves, do)}
+                if fla is not None:
+                    arms["fla"] = _fwdbwd(lambda: fla(*leaves, cu_seqlens=cu64)[0], leaves, do)
+                rows += _rows(pack, H, "fwdbwd", mode, *_measure(arms, iters))
+            del leaves, do
+        del q, k, v, g, beta, cu, cu64
         torch.cuda.empty_cache()
     return rows
