@@ -9,6 +9,7 @@ fp32 state at every chunk start and V' when the saved-context backward needs the
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -133,12 +134,21 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None):
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
-    Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32)."""
+    Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
+    release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
+    half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards)."""
     dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
+    if release:
+        for name in ("qg", "o", "final_state"):
+            saved.pop(name, None)
     parts = chunk_kda_bwd_chunk(saved, dout, dtape)
+    del dtape
+    if release:
+        for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
+            saved.pop(name, None)
     q = saved["q"]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
@@ -147,6 +157,62 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None):
     desc = {name: describe(x, name) for name, x in t.items()}
     registry.library("kda_bwd_gate").launch(desc, saved["scale"], stream_of(q))
     return t["dq"], t["dk"], parts["dv"], t["dg"], t["dbeta"], dh0
+
+
+def replay_bytes_per_head(T: int, n_chunks: int) -> int:
+    """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
+    replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
+    token), its fp32 outputs (2,308 B a token), a head group's input copies (q, k, v, dO, g, beta:
+    1,538 B a token), and the two fp32 state tapes (128 KiB a chunk)."""
+    return T * (1280 + 2308 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
+
+
+def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
+    """Split heads [0, H) into the fewest near-equal contiguous groups whose replay backward fits in
+    `available` bytes (at least one head per group). Heads are independent in every kernel, so any
+    grouping gives bitwise the same gradients. max_heads (or KDA_AOT_BWD_HEADS) caps a group."""
+    cap = max(1, available // max(per_head, 1))
+    knob = max_heads if max_heads is not None else os.environ.get("KDA_AOT_BWD_HEADS")
+    if knob:
+        cap = min(cap, int(knob))
+    n = -(-H // min(cap, H))
+    bounds = [round(i * H / n) for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _available_bytes(device) -> int:
+    """Free device memory plus what torch's allocator holds but does not use, with a 15 % margin
+    for fragmentation."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(0.85 * (free + cached))
+
+
+def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs)."""
+    T, H = q.shape[1], q.shape[2]
+    tables = pack_tables(cu_seqlens, T, q.device)
+    groups = head_groups(H, replay_bytes_per_head(T, tables.chunks.shape[0]), _available_bytes(q.device))
+    if len(groups) == 1:
+        _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
+                                    save_tape=True)
+        return chunk_kda_bwd(saved, do, dht, release=True)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+             torch.empty(beta.shape, device=q.device, dtype=torch.float32),
+             None if h0 is None and dht is None else
+             torch.empty(tables.n_segments, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32))
+    for a, b in groups:
+        part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
+        state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
+        _, _, saved = chunk_kda_fwd(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(),
+                                    cu_seqlens=cu_seqlens, scale=scale, initial_state=state(h0), save_tape=True)
+        got = chunk_kda_bwd(saved, part(do), state(dht), release=True)
+        del saved
+        for full, x in zip(grads[:5], got[:5]):
+            full[:, :, a:b].copy_(x)
+        if grads[5] is not None:
+            grads[5][:, a:b].copy_(got[5])
+    return grads
 
 
 BACKWARD_MODES = ("replay", "saved")
@@ -173,14 +239,12 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         if ctx.mode == "saved":
-            saved = ctx.saved_context
+            saved, ctx.saved_context = ctx.saved_context, None
+            dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(saved, do, dht, release=True)
         else:
             q, k, v, g, beta, h0 = ctx.saved_tensors
-            _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=ctx.cu_seqlens, scale=ctx.scale,
-                                        initial_state=h0, save_tape=True)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(saved, do, dht)
-        ctx.saved_context = None
-        return (dq, dk, dv, dg, dbeta.to(saved["beta"].dtype), dh0 if ctx.has_initial_state else None,
+            dq, dk, dv, dg, dbeta, dh0 = _replay_backward(q, k, v, g, beta, h0, ctx.cu_seqlens, ctx.scale, do, dht)
+        return (dq, dk, dv, dg, dbeta.to(torch.bfloat16), dh0 if ctx.has_initial_state else None,
                 None, None, None, None)
 
 
@@ -189,7 +253,9 @@ def chunk_kda(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, o
     """Chunked KDA on packed documents, differentiable; flash-linear-attention's chunk_kda
     arguments: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 log decay, beta [1, T, H] bf16,
     cu_seqlens [N + 1], initial_state [N, H, 128, 128] fp32. Returns (o, final_state or None).
-    (Not exported from the package until its backward kernels have passed their GPU tests.)"""
+    backward: "replay" keeps only the inputs and reruns the forward kernels in the backward (a head
+    group at a time when memory is short); "saved" keeps the tape and the chunk intermediates.
+    The two give bitwise equal gradients."""
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
     return _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)

@@ -130,3 +130,24 @@ def test_backward_mode_must_be_known():
     q, k, v, g, b, cu = good()
     with pytest.raises(ValueError, match="backward: expected one of"):
         chunk_kda(q, k, v, g, b, cu_seqlens=cu, backward="checkpoint")
+
+
+def test_head_groups_split_evenly_and_cover_every_head():
+    from kda_aot.kda import head_groups
+    assert head_groups(64, per_head=10, available=1000) == [(0, 64)]
+    assert head_groups(64, per_head=10, available=420) == [(0, 32), (32, 64)]
+    assert head_groups(3, per_head=10, available=1000, max_heads=1) == [(0, 1), (1, 2), (2, 3)]
+    assert head_groups(5, per_head=10, available=1) == [(i, i + 1) for i in range(5)]  # at least one head
+    for H in (1, 7, 33, 64):
+        for cap in (1, 2, 5, 64):
+            groups = head_groups(H, per_head=1, available=cap)
+            assert groups[0][0] == 0 and groups[-1][1] == H
+            assert all(a < b and b - a <= cap for a, b in groups)
+            assert all(groups[i][1] == groups[i + 1][0] for i in range(len(groups) - 1))
+
+
+def test_replay_working_set_is_counted_per_head():
+    from kda_aot.kda import replay_bytes_per_head
+    # Q1 (249,856 tokens, 3,904 chunks): about 1.8 GB a head, so H = 64 needs two groups on an H200
+    b = replay_bytes_per_head(249856, 3904)
+    assert 1.7e9 < b < 1.9e9
