@@ -97,10 +97,11 @@ def _leaf(x):
 
 
 def _run_op(rank, case):
-    """chunk_kda_cp on the shards, both backward modes; loss = <o, wo> + <final, ws>."""
+    """chunk_kda_cp on the shards, both backward modes; loss = <o, wo> + <final, ws>. The case's
+    backend: the fp32/fp64 reference (default) or "cuda" (the kernels; head dim 128)."""
     plan = cp.make_plan(case["cu"], case["layout"], group=dist.group.WORLD)
     x = case["inputs"]
-    backend = cp.ReferenceBackend(case["state_dtype"])
+    backend = cp.get_backend(case.get("backend", "reference"), case["state_dtype"])
     out = {}
     for mode in case["modes"]:
         loc = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")]

@@ -8,8 +8,8 @@
     o = kda_aot.cp.gather(o_l, plan)                                 # local -> global
 
 Modules: plan (layouts, fragment table), summaries (affine summaries and their composition),
-exchange (collectives, agreement check), backends (the local primitives: reference now, CUDA
-later), ops (chunk_kda_cp), halo (conv_halo). Every collective function must be called by all
+exchange (collectives, agreement check), backends (the local primitives: the
+reference and the CUDA kernels), ops (chunk_kda_cp), halo (conv_halo). Every collective function must be called by all
 ranks of the group in the same order, and so must the backward: every rank's result must
 reach the loss, also on a rank that holds no token.
 """

@@ -75,7 +75,7 @@ class CudaBackend:
     """The KDA kernels (kda_aot.kda) behind the same seam: summary = the forward walk from a zero
     state (B = its final state) + the transfer walk (M); forward(keep) = the forward kernels keeping
     the tape; backward = the backward kernels on that saved context (reusable: it is read only).
-    States fp32; q, k, v, dO bf16. (Its records are test-only until verified on the GPU.)"""
+    States fp32; q, k, v, dO bf16."""
     name = "cuda"
     state_dtype = torch.float32
 
