@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd or both")
+    p.add_argument("--no-fla", action="store_true", help="single: leave out the flash-linear-attention arm")
     p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     else:
         from . import single
         rows = single.run(packs=args.pack.split(","), H=args.heads, iters=args.iters,
-                          boundaries=tuple(args.boundary.split(",")))
+                          boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla)
     path = write_rows(rows, args.suite, args.out)
     for r in rows:
         print(json.dumps(r, sort_keys=True))

@@ -75,9 +75,9 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
     return out
 
 
-def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd")) -> list[dict]:
+def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"), with_fla=True) -> list[dict]:
     rows = []
-    fla = fla_chunk_kda()
+    fla = fla_chunk_kda() if with_fla else None
     for pack in packs:
         q, k, v, g, beta, cu = inputs(PACKS[pack], H)
         cu64 = cu.long()
