@@ -113,17 +113,4 @@ __device__ __forceinline__ void load_state(float (&st)[NT][4], const float* src,
   }
 }
 
-// Launch `kernel` with `smem` bytes of dynamic shared memory (raising the opt-in limit first).
-template <typename Kernel, typename Args>
-inline int launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, void* stream, const Args& args, char* err,
-                         int errlen) {
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "%s", cudaGetErrorString(e));
-    return static_cast<int>(e);
-  }
-  kernel<<<grid, threads, smem, static_cast<cudaStream_t>(stream)>>>(args);
-  return launch_status(err, errlen);
-}
-
 }  // namespace kda

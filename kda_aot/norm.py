@@ -1,0 +1,61 @@
+"""Per-head L2 norm of q and k (PackedKDA's qk_l2norm) on the GPU: kernel calls and the autograd op.
+
+y = x / sqrt(sum x^2 + eps) over each 128-wide head row, in fp32 from bf16, rounded to bf16 —
+flash-linear-attention's l2norm (eps 1e-6). The forward keeps 1 / sqrt(sum x^2 + eps) per row
+(4 bytes a row) for the backward: dx = rstd (dy - y sum(dy y)).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import registry
+from ._tensor import describe, stream_of
+
+L2NORM_EPS = 1e-6
+WIDTH = 128
+
+
+def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
+    """Kernel call: (y bf16 like x, rstd fp32 x.shape[:-1]). `out` may hold y / rstd (tests poison them)."""
+    out = dict(out or {})
+    y = out.get("y", torch.empty_like(x))
+    rstd = out.get("rstd", torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32))
+    registry.library("l2norm_fwd").launch(describe(x, "x"), describe(y, "y"), describe(rstd, "rstd"), float(eps),
+                                          stream_of(x))
+    return y, rstd
+
+
+def l2norm_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, *, out=None) -> torch.Tensor:
+    """Kernel call: dx bf16 like x. `out` may hold dx."""
+    dx = out if out is not None else torch.empty_like(x)
+    registry.library("l2norm_bwd").launch(describe(x, "x"), describe(rstd, "rstd"), describe(dy, "dy"),
+                                          describe(dx, "dx"), stream_of(x))
+    return dx
+
+
+class _L2Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):
+        y, rstd = l2norm_forward(x, eps)
+        ctx.save_for_backward(x, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd = ctx.saved_tensors
+        return l2norm_backward(x, rstd, dy.to(torch.bfloat16).contiguous()), None
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """Differentiable per-head L2 norm: x [..., 128] bf16 on a CUDA device, contiguous."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != WIDTH:
+        raise ValueError(f"x: expected shape [..., {WIDTH}] (one head per row), got {list(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
+    if not float(eps) > 0:
+        raise ValueError(f"eps: expected a positive number, got {eps}")
+    if x.device.type != "cuda":
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+    return _L2Norm.apply(x.contiguous(), float(eps))
