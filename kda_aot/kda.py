@@ -134,12 +134,19 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False):
+GATE_FORMS = ("default", "split")
+
+
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
-    half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards)."""
+    half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
+    gate_form: default | split (two CTAs per (chunk, head); default: KDA_AOT_GATE_FORM, else default)."""
+    gate_form = gate_form or os.environ.get("KDA_AOT_GATE_FORM", "default")
+    if gate_form not in GATE_FORMS:
+        raise ValueError(f"gate_form: expected one of {GATE_FORMS}, got {gate_form!r}")
     dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
     if release:
         for name in ("qg", "o", "final_state"):
@@ -152,11 +159,16 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False):
     q = saved["q"]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
-    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]),
-             dbeta=torch.empty(saved["beta"].shape, device=q.device, dtype=torch.float32))
+    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]))
+    T, H = q.shape[1], q.shape[2]
+    if gate_form == "split":  # each channel half writes its dbeta partial; summed here in a fixed order
+        t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
+    else:
+        t["dbeta"] = torch.empty(1, T, H, device=q.device, dtype=torch.float32)
     desc = {name: describe(x, name) for name, x in t.items()}
-    registry.library("kda_bwd_gate").launch(desc, saved["scale"], stream_of(q))
-    return t["dq"], t["dk"], parts["dv"], t["dg"], t["dbeta"], dh0
+    registry.library("kda_bwd_gate", gate_form).launch(desc, saved["scale"], stream_of(q))
+    dbeta = t["dbeta"] if gate_form != "split" else (t["dbeta_part"][0] + t["dbeta_part"][1]) + parts["dbeta_v"][0]
+    return t["dq"], t["dk"], parts["dv"], t["dg"], dbeta.view(1, T, H), dh0
 
 
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:

@@ -81,6 +81,7 @@ struct KdaBwdArgs {
   uint16_t* dk;                  // [T, H, 128] bf16
   float* dg;                     // [T, H, 128] fp32
   float* dbeta;                  // [T, H] fp32
+  float* dbeta_part;             // [2, T, H] fp32: per channel half, when two CTAs share a (chunk, head)
   int64_t T, N, H, n_chunks;
   float scale;
 };

@@ -25,7 +25,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
                                  "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
-                                 "transfer"};
+                                 "dbeta_part", "transfer"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -101,6 +101,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dk", kBFloat16, tok, "[1, T, H, 128]"},
       {"dg", kFloat32, tok, "[1, T, H, 128]"},
       {"dbeta", kFloat32, {1, T, H}, "[1, T, H]"},
+      {"dbeta_part", kFloat32, {2, T, H}, "[2, T, H]"},
       {"transfer", kFloat32, state, "[N, H, 128, 128]"},
   };
   std::vector<const Tensor*> all;
@@ -112,7 +113,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     expect_contiguous(it->second);
     // beta and dbeta are read per element; every other tensor in 16-byte vectors
     const bool scalar = std::string(sp.name) == "beta" || std::string(sp.name) == "dbeta" ||
-                        std::string(sp.name) == "dbeta_v";
+                        std::string(sp.name) == "dbeta_v" || std::string(sp.name) == "dbeta_part";
     expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
   }
@@ -200,6 +201,7 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.dk = reinterpret_cast<uint16_t*>(k.ptr("dk"));
   a.dg = reinterpret_cast<float*>(k.ptr("dg"));
   a.dbeta = reinterpret_cast<float*>(k.ptr("dbeta"));
+  a.dbeta_part = reinterpret_cast<float*>(k.ptr("dbeta_part"));
   a.T = k.T;
   a.N = k.N;
   a.H = k.H;
