@@ -21,8 +21,7 @@ from .cp.halo import conv1d_silu_cp
 from .cp.backends import ReferenceBackend
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp
 from .cp.plan import CPPlan
-from .norm import L2NORM_EPS, l2norm
-from .norm import WIDTH as L2NORM_WIDTH
+from .norm import L2NORM_EPS
 
 __all__ = ["PackedKDA"]
 
@@ -41,8 +40,8 @@ class PackedKDA(nn.Module):
     flash-linear-attention's causal_conv1d.
     backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
     backend: "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
-    "cuda" (the conv runs kda_aot.causal_conv1d_silu, the L2 norm kda_aot.norm and KDA the kernels
-    of kda_aot.kda, single device or through the CUDA backend of kda_aot.cp; head_dim must be 128).
+    "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.kda, single
+    device or through the CUDA backend of kda_aot.cp; head_dim must be 128).
     """
 
     def __init__(self, num_heads: int, head_dim: int = 128, conv_bias: bool = False,
@@ -124,10 +123,9 @@ class PackedKDA(nn.Module):
                 y = conv1d_silu_cp(x, w, b, plan=plan, group=group, conv=conv)
             out.append(y.reshape(1, T, H, Dh))
         qc, kc, vc = out
-        if self.qk_l2norm and self.backend == "cuda" and Dh == L2NORM_WIDTH:
-            # one fused pass each way (fp32 inside, bf16 out): kda_aot.norm
-            qc, kc = l2norm(qc), l2norm(kc)
-        elif self.qk_l2norm:
+        # kda_aot.norm (one fused pass each way) replaces this on the CUDA backend once its
+        # records have passed their GPU tests (bench/NOTES.md: ~60 ms of PyTorch passes on Q1)
+        if self.qk_l2norm:
             # In fp32 at least (a bf16 sum of 128 squares would lose the norm's low bits).
             qc, kc = (_l2norm(x.float() if x.dtype != torch.float64 else x).to(x.dtype)
                       for x in (qc, kc))
