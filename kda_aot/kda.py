@@ -82,6 +82,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     stream = stream_of(q)
     t["scale"] = scale  # the backward programs read it from the saved context
+    t["chain_lengths"] = tables.chain_lengths  # the backward walk's fit rule
     registry.library("kda_fwd_chunk").launch(desc, scale, stream)
     form = fit.choose_form("kda_fwd_tape", tables.chain_lengths, H, _sm_count(dev), tape_form)
     registry.library("kda_fwd_tape", form).launch(desc, scale, stream)
@@ -89,10 +90,11 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
-                       tape_form="full"):
+                       tape_form=None):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
-    d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors."""
+    d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors.
+    tape_form: auto | full | split (default: the KDA_AOT_WALK_FORM knob, else auto = the fit rule)."""
     q = saved["q"]
     if not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
@@ -108,7 +110,8 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
              dinitial_state=(out.get("dinitial_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                              if need_dinitial_state else None))
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
-    registry.library("kda_bwd_tape", tape_form).launch(desc, scale, stream_of(q))
+    form = fit.choose_form("kda_bwd_tape", saved["chain_lengths"], H, _sm_count(q.device), tape_form)
+    registry.library("kda_bwd_tape", form).launch(desc, scale, stream_of(q))
     return t["dtape"], t["dinitial_state"]
 
 

@@ -11,7 +11,7 @@ import torch
 from conftest import SEED, gpu
 from kda_aot import reference
 from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
-from test_kda_fwd_gpu import PACKS, REL, make, rel_rms, rng
+from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, rel_rms, rng
 
 pytestmark = gpu
 
@@ -179,3 +179,22 @@ def test_gate_split_form_matches_default():
         assert torch.equal(x, y), name
     assert torch.equal(a[5], b[5])
     assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
+
+
+@pytest.mark.parametrize("chains", list(CHAIN_PACKS))
+@pytest.mark.parametrize("H", [1, 32, 64])
+def test_bwd_walk_forms_are_bitwise_equal(chains, H):
+    """kda_bwd_tape/split (two CTAs of 64 value columns) computes every element as `full` does."""
+    from kda_aot import registry
+    try:
+        registry.library("kda_bwd_tape", "split")
+    except registry.RecordError:
+        pytest.skip("kda_bwd_tape/split not built (KDA_AOT_TEST_RECORDS=1)")
+    lens = CHAIN_PACKS[chains]
+    q, k, v, g, beta, cu, h0 = make(lens, H, "mild", rng(("bwd-forms", chains, H)), True)
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+    dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-forms-do", chains, H))).to(torch.bfloat16)
+    dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("bwd-forms-dht", chains, H)))
+    full = chunk_kda_bwd_walk(saved, dout, dht, tape_form="full")
+    split = chunk_kda_bwd_walk(saved, dout, dht, tape_form="split")
+    assert torch.equal(full[0], split[0]) and torch.equal(full[1], split[1])
