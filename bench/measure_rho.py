@@ -1,32 +1,34 @@
-"""Measure rho for the fit rule (kda_aot/fit.py) on this GPU and write kda_aot/fit_params.json.
+"""Measure the fit rule's step costs (kda_aot/fit.py) on this GPU and write kda_aot/fit_params.json.
 
-rho = time per chunk step of the split walk (two CTAs of 64 value columns per chain, two resident
-per SM) / time per chunk step of the full walk (one CTA of 128 columns per chain, one per SM),
-with exactly one full CTA per SM (chains = SM count, equal lengths), the walk kernel alone
-(CUDA events around the launch, medians, random inputs). Needs the split record built
-(KDA_AOT_TEST_RECORDS=1).
+For each walk (kda_fwd_tape, kda_bwd_tape): rho = time of the split walk (two CTAs of 64 value
+columns per chain) / time of the full walk (one CTA of 128 columns per chain) with chains = SM
+count (two split CTAs share every SM), and rho_alone = the same ratio with chains = SM / 2 (one
+split CTA per SM). Equal chain lengths, the walk kernel alone (CUDA events around the launch,
+medians, random inputs). Needs the split records built (KDA_AOT_TEST_RECORDS=1). Also prints the
+per-walk table of issue 5 (full vs split over chain counts) with --table.
 """
+import argparse
 import datetime
 import json
 import statistics
-import sys
 
 import torch
 
 from kda_aot import fit, registry
 from kda_aot._tensor import describe, stream_of
 from kda_aot.bench.single import inputs
-from kda_aot.kda import chunk_kda_fwd
+from kda_aot.kda import CHUNK, chunk_kda_fwd
+
+WALKS = ("kda_fwd_tape", "kda_bwd_tape")
 
 
-def walk_ms(saved, form, iters=20):
-    lib = registry.library("kda_fwd_tape", form)
-    desc = {n: describe(x, n) for n, x in saved.items() if isinstance(x, torch.Tensor)}
+def launch_ms(program, form, desc, stream, iters=15):
+    lib = registry.library(program, form)
     times = []
     for i in range(iters + 3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        lib.launch(desc, 128 ** -0.5, stream_of(saved["q"]))
+        lib.launch(desc, 128 ** -0.5, stream)
         b.record()
         b.synchronize()
         if i >= 3:
@@ -34,22 +36,54 @@ def walk_ms(saved, form, iters=20):
     return statistics.median(times)
 
 
-def main(chunks_per_chain: int = 256):
+def walk_times(docs, heads, chunks_per_chain):
+    """{(program, form): ms} for one launch of `docs` x `heads` equal chains."""
+    q, k, v, g, beta, cu = inputs([CHUNK * chunks_per_chain] * docs, heads)
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, save_tape=True,
+                                tape_form="full")
+    tensors = {n: x for n, x in saved.items() if isinstance(x, torch.Tensor)}
+    C, N = saved["chunks"].shape[0], docs
+    bwd = {n: tensors[n] for n in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
+    bwd.update(dout=torch.randn_like(q), dtape=torch.empty(C, heads, 128, 128, device="cuda"),
+               dinitial_state=torch.empty(N, heads, 128, 128, device="cuda"))
+    descs = {"kda_fwd_tape": {n: describe(x, n) for n, x in tensors.items()},
+             "kda_bwd_tape": {n: describe(x, n) for n, x in bwd.items()}}
+    stream = stream_of(q)
+    return {(p, f): launch_ms(p, f, descs[p], stream) for p in WALKS for f in ("full", "split")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=256, help="chunks per chain")
+    ap.add_argument("--table", action="store_true", help="also time chain counts 1, 2, 8, 64, 512 x H")
+    args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    heads = 4
-    docs = sms // heads  # chains = docs * heads = SM count (132 = 33 x 4 on the H200)
-    q, k, v, g, beta, cu = inputs([64 * chunks_per_chain] * docs, heads)
-    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, tape_form="full")
-    full, split = walk_ms(saved, "full"), walk_ms(saved, "split")
-    rho = split / full
-    print(f"chains {docs * heads} x {chunks_per_chain} chunks: full {full:.3f} ms, split {split:.3f} ms, rho {rho:.3f}")
-    doc = {"about": "rho of the fit rule, measured by bench/measure_rho.py", "programs": {
-        "kda_fwd_tape": {"rho": round(rho, 4), "gpu": torch.cuda.get_device_name(),
-                         "sm_count": sms, "date": datetime.date.today().isoformat(),
-                         "full_ms": round(full, 4), "split_ms": round(split, 4)}}}
+    heads = 2
+    shared = walk_times(sms // heads, heads, args.chunks)        # chains = SM count
+    alone = walk_times(sms // (2 * heads), heads, args.chunks)   # chains = SM / 2
+    progs = {}
+    for p in WALKS:
+        rho = shared[(p, "split")] / shared[(p, "full")]
+        rho_alone = alone[(p, "split")] / alone[(p, "full")]
+        print(f"{p}: {args.chunks} chunks per chain; {sms} chains: full {shared[(p, 'full')]:.3f} ms, split "
+              f"{shared[(p, 'split')]:.3f} ms, rho {rho:.3f}; {sms // 2} chains: full {alone[(p, 'full')]:.3f} ms, "
+              f"split {alone[(p, 'split')]:.3f} ms, rho_alone {rho_alone:.3f}")
+        progs[p] = {"rho": round(rho, 4), "rho_alone": round(rho_alone, 4), "gpu": torch.cuda.get_device_name(),
+                    "sm_count": sms, "date": datetime.date.today().isoformat(), "chunks_per_chain": args.chunks,
+                    "full_ms": round(shared[(p, "full")], 4), "split_ms": round(shared[(p, "split")], 4),
+                    "full_alone_ms": round(alone[(p, "full")], 4), "split_alone_ms": round(alone[(p, "split")], 4)}
+    doc = {"about": "step costs of the fit rule, measured by bench/measure_rho.py", "programs": progs}
     fit.PARAMS_FILE.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     print(f"written {fit.PARAMS_FILE}")
-
+    if args.table:  # issue 5: per-walk kernel times, full vs split, over chain counts and H
+        print("| walk | chains | H | chunks per chain | full ms | split ms | full / split |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for chains, H in ((1, 1), (2, 1), (2, 2), (8, 1), (8, 8), (64, 1), (64, 32), (512, 32)):
+            n = 256 if chains <= 64 else 64
+            t = walk_times(chains // H, H, n)
+            for p in WALKS:
+                f, sp = t[(p, "full")], t[(p, "split")]
+                print(f"| {p} | {chains} | {H} | {n} | {f:.3f} | {sp:.3f} | {f / sp:.2f} |")
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    main()

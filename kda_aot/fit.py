@@ -2,10 +2,12 @@
 
 A walk launch is a set of chains (one per (segment, head)), each `n` chunks long. `full` runs one
 CTA per chain and one CTA per SM; `split` runs two CTAs per chain (64 value columns each) and two
-CTAs per SM, a split step costing `rho` of a full step. List-schedule the chains longest first on
-the slots of each form and take the form with the shorter predicted makespan (ties keep `full`).
+CTAs per SM. A split step costs `rho` of a full step when two split CTAs share an SM, and
+`rho_alone` when the launch has at most one split CTA per SM (2 x chains <= SMs: the block
+scheduler spreads them, each has its SM to itself). List-schedule the chains longest first on the
+slots of each form and take the form with the shorter predicted makespan (ties keep `full`).
 
-`rho` is measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json);
+Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json);
 while a program has no measurement, `auto` keeps `full` and says so in the log. Decisions are
 cached per (program, chain lengths, H, SM count, knob); every launch can be logged as
 (program, form, chains) on the `kda_aot.fit` logger at DEBUG level.
@@ -35,31 +37,35 @@ def makespan(chain_steps: list[float], slots: int) -> float:
     return max(loads)
 
 
-def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float) -> dict:
+def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_alone: float | None = None) -> dict:
     """Predicted makespans, in full-form chunk steps, of the two forms for one launch."""
     chains = [float(n) for n in chain_lengths for _ in range(heads)]
-    # split: every chain becomes two half-width chains of rho-cost steps, two slots per SM
-    return {"full": makespan(chains, sm_count),
-            "split": makespan([rho * n for n in chains for _ in range(2)], 2 * sm_count)}
+    if rho_alone is not None and 2 * len(chains) <= sm_count:
+        split = rho_alone * max(chains, default=0.0)  # one split CTA per SM
+    else:  # every chain becomes two half-width chains of rho-cost steps, two slots per SM
+        split = makespan([rho * n for n in chains for _ in range(2)], 2 * sm_count)
+    return {"full": makespan(chains, sm_count), "split": split}
 
 
 @functools.lru_cache(maxsize=None)
 def measured_rho() -> dict:
-    """{program: rho} from fit_params.json (empty until measured)."""
+    """{program: (rho, rho_alone)} from fit_params.json (empty until measured; rho_alone = rho
+    when a measurement predates it)."""
     if not PARAMS_FILE.is_file():
         return {}
-    return {p: float(v["rho"]) for p, v in json.loads(PARAMS_FILE.read_text())["programs"].items()}
+    progs = json.loads(PARAMS_FILE.read_text())["programs"]
+    return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"]))) for p, v in progs.items()}
 
 
 @functools.lru_cache(maxsize=4096)
 def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob: str) -> str:
     if knob in FORMS:
         return knob
-    rho = measured_rho().get(program)
-    if rho is None:
+    rhos = measured_rho().get(program)
+    if rhos is None:
         log.info("%s: rho not measured on this GPU yet (bench/measure_rho.py); keeping the full form", program)
         return "full"
-    spans = predicted(chain_lengths, heads, sm_count, rho)
+    spans = predicted(chain_lengths, heads, sm_count, *rhos)
     return "split" if spans["split"] < spans["full"] else "full"
 
 

@@ -24,6 +24,15 @@ def test_predicted_makespans():
     assert fit.predicted(many, 32, 132, rho=0.6)["split"] < 366.0
 
 
+def test_few_chains_use_the_alone_cost():
+    # 2 documents x 1 head: 4 split CTAs on 132 SMs, each alone on its SM
+    assert fit.predicted((900, 300), 1, 132, rho=1.05, rho_alone=0.6) == pytest.approx({"full": 900.0,
+                                                                                        "split": 540.0})
+    # 66 chains: 132 split CTAs, still one per SM; 67 chains: some SMs host two (shared cost)
+    assert fit.predicted((100,), 66, 132, rho=1.05, rho_alone=0.6)["split"] == pytest.approx(60.0)
+    assert fit.predicted((100,), 67, 132, rho=1.05, rho_alone=0.6)["split"] == pytest.approx(105.0)
+
+
 def test_knob_and_unmeasured_rho(monkeypatch, caplog):
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {})
@@ -40,12 +49,13 @@ def test_knob_and_unmeasured_rho(monkeypatch, caplog):
 def test_measured_rho_decides_and_decisions_are_cached(monkeypatch):
     q1 = (1585, 641, 1216, 465)
     fit._decide.cache_clear()
-    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": 0.55})
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (0.55, 0.55)})
     assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "split"
     hits = fit._decide.cache_info().hits
     assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "split"
     assert fit._decide.cache_info().hits == hits + 1  # the second launch is a dictionary lookup
     fit._decide.cache_clear()
-    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": 1.05})
-    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "full"
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.05, 0.6)})
+    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "full"   # 128 chains share SMs
+    assert fit.choose_form("kda_fwd_tape", q1, 1, 132, "auto") == "split"   # 4 chains: alone
     fit._decide.cache_clear()
