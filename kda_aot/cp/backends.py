@@ -15,10 +15,14 @@ states:
         forward, "replay" mode calls forward(keep=True) again inside the backward.
     backward(ctx, do, dfinals)                -> (dq, dk, dv, dg, dbeta, dstates), state_dtype
         the local backward from (do, the gradient of each segment's exit state); may be called
-        more than once on one ctx (the op runs it with dS_out = 0, then with the true dS_out).
+        more than once on one ctx.
+    state_grads(ctx, do, dfinals)             -> dstates [n, H, K, V], state_dtype (optional)
+        backward's dstates alone, bitwise the same; what the op needs before the exchange (with
+        dS_out = 0). A backend without it gets backward(...)[5].
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
-the forward kernels keeping the tape, backward = the backward kernels.
+the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
+state walk alone (its d_initial_state is the one the full backward returns).
 """
 from __future__ import annotations
 
@@ -70,6 +74,9 @@ class ReferenceBackend:
                                     retain_graph=True, allow_unused=True)
         return tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads))
 
+    def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
+        return self.backward(ctx, do, dfinals)[5]
+
 
 class CudaBackend:
     """The KDA kernels (kda_aot.kda) behind the same seam: summary = the forward walk from a zero
@@ -102,6 +109,11 @@ class CudaBackend:
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())
+
+    def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
+        from ..kda import chunk_kda_bwd_walk
+        return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(),
+                                  dfinals.to(torch.float32).contiguous())[1]
 
 
 def get_backend(backend, dtype: Optional[torch.dtype] = None):

@@ -5,9 +5,11 @@ Forward (per call, on every rank of the group, in the same order):
     (one all_gather, fp32) -> compose the entering state of every local fragment -> local
     chunked forward with those states -> o (+ final states of the documents that end here).
 Backward (mirrors it, see summaries.py for the maths and why no gradient through M is needed):
-    local backward with dS_out = 0 (only where a fragment's entering-state gradient is wanted
-    by a fragment before it) -> exchange (M, D) -> compose dS_out of every local fragment ->
-    local backward with the true dS_out -> grads of q, k, v, g, beta (and initial_state).
+    the local entering-state gradients with dS_out = 0, D (only where a fragment's entering-state
+    gradient is wanted by a fragment before it; the backend's state walk alone, so that the
+    ranks waiting for D start their backward early) -> exchange (M, D) -> compose dS_out of every
+    local fragment -> local backward with the true dS_out -> grads of q, k, v, g, beta (and
+    initial_state).
 
 Modes: "saved" keeps the forward's local context (autograd graph / tape) until the backward;
 "replay" keeps only the inputs and the entering states and recomputes the local forward and
@@ -151,11 +153,13 @@ class _ChunkKdaCP(torch.autograd.Function):
         # 1. D (dS_out = 0) of the local fragments whose entering-state gradient others wait for.
         first_pass = None
         if any(f.needs_state for f in local):
-            first_pass = backend.backward(lctx, do, known)
+            state_grads = getattr(backend, "state_grads", None)
+            first_pass = (state_grads(lctx, do, known) if state_grads is not None
+                          else backend.backward(lctx, do, known)[5])
         items = {}
         for f in local:
             if f.needs_state:
-                D = first_pass[5][f.segment]
+                D = first_pass[f.segment]
                 items[f.index] = D if f.is_last else torch.cat([M_local[f.index].reshape(-1),
                                                                  D.reshape(-1)])
         published = exchange(plan, group, backward_payload_size(H, K, V), items, sd, like=do)
@@ -169,14 +173,11 @@ class _ChunkKdaCP(torch.autograd.Function):
             dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
                    if has_h0 else None)
             return (*grads, dh0) + (None,) * 6
-        if any(not f.is_last for f in local) or first_pass is None:
-            true = known.clone()
-            for f in local:
-                if not f.is_last:
-                    true[f.segment] = dS_out[f.index].to(device)
-            final_pass = backend.backward(lctx, do, true)
-        else:   # every local fragment ends its document: the first pass already was the true one
-            final_pass = first_pass
+        true = known.clone()
+        for f in local:
+            if not f.is_last:
+                true[f.segment] = dS_out[f.index].to(device)
+        final_pass = backend.backward(lctx, do, true)
         grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
         dh0 = None
         if has_h0:
@@ -200,7 +201,7 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     initial_state: [N, H, K, V] (one row per global document) or None; only the rows of the
     documents whose first fragment is on this rank are read.
     scale: defaults to K ** -0.5. backward: "replay" | "saved" (bitwise-equal gradients).
-    backend: "reference" (kda_aot.reference in fp32) | "cuda" (not yet) | a backend object.
+    backend: "reference" (kda_aot.reference in fp32) | "cuda" (the kernels) | a backend object.
 
     Returns (o [1, T_local, H, V] in q's dtype, final_state or None). final_state is
     [N, H, K, V] fp32 holding the final states of the documents whose last fragment is on this
