@@ -253,3 +253,18 @@ def test_inputs_and_errors():
         cp.make_plan([0], "doc_zigzag", world_size=2, rank=0)
     with pytest.raises(TypeError, match="cu_seqlens"):
         cp.make_plan(torch.tensor([0.0, 4.0]), "doc_zigzag", world_size=2, rank=0)
+
+
+def test_phase_timing_records_only_when_asked(monkeypatch):
+    from kda_aot.cp import ops
+    ops.phase_times()
+    with ops._Phase("off", torch.device("cpu")):
+        pass
+    assert ops.phase_times() == {}
+    monkeypatch.setenv("KDA_AOT_CP_TIMING", "1")
+    for _ in range(2):
+        with ops._Phase("summary", torch.device("cpu")):
+            pass
+    got = ops.phase_times()
+    assert list(got) == ["summary"] and len(got["summary"]) == 2 and all(ms >= 0 for ms in got["summary"])
+    assert ops.phase_times() == {}  # cleared

@@ -40,6 +40,22 @@ def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def _phases_by_rank(step, iters: int) -> list:
+    """Per rank, the mean ms per step of each CP phase (summary walks, exchange incl. waiting for
+    the other ranks, local forward/backward, replay) over `iters` steps of `step`."""
+    os.environ["KDA_AOT_CP_TIMING"] = "1"
+    try:
+        cp.phase_times()
+        for _ in range(iters):
+            step()
+        mine = {name: round(sum(ms) / iters, 3) for name, ms in cp.phase_times().items()}
+    finally:
+        del os.environ["KDA_AOT_CP_TIMING"]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def fla_kda():
     try:
         from fla.ops.cp import build_cp_context
@@ -101,9 +117,12 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             for _ in range(iters):  # interleaved: each round times every arm once
                 for key, fn in arms.items():
                     times[key].append(slowest_rank_ms(fn, 1, warmup=0 if times[key] else 2))
+            phases = _phases_by_rank(b3, iters=3)
             for (arm, boundary), ts in times.items():
+                extra = {"phases_ms_by_rank": phases} if (arm, boundary) == ("kda_aot", "B3") else {}
                 rows.append(row("cp", pack=pack, heads=H, cp=world, layout=layout, boundary=boundary,
-                                mode="replay", arm=arm, walk_form="auto", ms=round(statistics.median(ts), 3)))
+                                mode="replay", arm=arm, walk_form="auto", ms=round(statistics.median(ts), 3),
+                                **extra))
             del q, k, v, gl, bl, do, leaves
         del xs, g, beta
         torch.cuda.empty_cache()

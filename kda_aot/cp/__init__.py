@@ -16,9 +16,9 @@ reach the loss, also on a rank that holds no token.
 from .backends import ReferenceBackend, get_backend
 from .exchange import check_agreement, gather, resolve_group
 from .halo import conv1d_silu_cp, conv_halo
-from .ops import BACKWARD_MODES, chunk_kda_cp
+from .ops import BACKWARD_MODES, chunk_kda_cp, phase_times
 from .plan import CHUNK, LAYOUTS, CPPlan, Fragment, make_plan
 
 __all__ = ["make_plan", "CPPlan", "Fragment", "LAYOUTS", "CHUNK", "chunk_kda_cp",
            "BACKWARD_MODES", "conv_halo", "conv1d_silu_cp", "gather", "check_agreement", "resolve_group",
-           "ReferenceBackend", "get_backend"]
+           "ReferenceBackend", "get_backend", "phase_times"]

@@ -18,6 +18,8 @@ gradients are bitwise equal.
 """
 from __future__ import annotations
 
+import os
+import time
 from typing import Optional
 
 import torch
@@ -29,9 +31,52 @@ from .plan import CPPlan
 from .summaries import (backward_payload_size, compose_entering_states, compose_exit_grads,
                         exit_state, forward_payload_size)
 
-__all__ = ["chunk_kda_cp", "BACKWARD_MODES"]
+__all__ = ["chunk_kda_cp", "BACKWARD_MODES", "phase_times"]
 
 BACKWARD_MODES = ("replay", "saved")
+
+# Phase timing for the CP benchmark (issue 4: time in communication vs in the summary walks):
+# with KDA_AOT_CP_TIMING=1 every call appends (phase, start event, end event) on its device's
+# current stream (host clocks on the CPU); phase_times() syncs and returns {phase: [ms, ...]}.
+_PHASES: list = []
+
+
+def _clock(device: torch.device):
+    if device.type == "cuda":
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return time.perf_counter()
+
+
+class _Phase:
+    def __init__(self, name: str, device: torch.device):
+        self.name, self.device = name, device
+        self.on = os.environ.get("KDA_AOT_CP_TIMING") == "1"
+
+    def __enter__(self):
+        self.start = _clock(self.device) if self.on else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            _PHASES.append((self.name, self.start, _clock(self.device)))
+        return False
+
+
+def phase_times(clear: bool = True) -> dict:
+    """{phase: [milliseconds per call]} recorded since the last clear (see KDA_AOT_CP_TIMING)."""
+    out: dict = {}
+    for name, a, b in _PHASES:
+        if isinstance(a, float):
+            ms = (b - a) * 1e3
+        else:
+            b.synchronize()
+            ms = a.elapsed_time(b)
+        out.setdefault(name, []).append(ms)
+    if clear:
+        _PHASES.clear()
+    return out
 
 
 def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
@@ -75,17 +120,19 @@ class _ChunkKdaCP(torch.autograd.Function):
 
         # 1. what the others wait for: (M, B) of middle fragments, exit states of first ones.
         items, M_local = {}, {}
-        for f in local:
-            if f.is_last:
-                continue
-            M, B = backend.summary(k, v, g, beta, f.local_start, f.local_start + f.length)
-            if f.needs_state:
-                items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
-                M_local[f.index] = M
-            else:
-                S0 = None if initial_state is None else initial_state[f.doc]
-                items[f.index] = exit_state(M, B, S0)
-        published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
+        with _Phase("fwd summary walks", q.device):
+            for f in local:
+                if f.is_last:
+                    continue
+                M, B = backend.summary(k, v, g, beta, f.local_start, f.local_start + f.length)
+                if f.needs_state:
+                    items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
+                    M_local[f.index] = M
+                else:
+                    S0 = None if initial_state is None else initial_state[f.doc]
+                    items[f.index] = exit_state(M, B, S0)
+        with _Phase("fwd exchange", q.device):
+            published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
 
         # 2. entering states of the local fragments, then the local forward.
         S_in = compose_entering_states(plan, published, H, K, V, local)
@@ -97,8 +144,9 @@ class _ChunkKdaCP(torch.autograd.Function):
                  else torch.zeros(0, dtype=sd, device=q.device))
         if local:
             states = torch.stack(states)
-            o, finals, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
-                                              scale, keep=(mode == "saved"))
+            with _Phase("fwd local", q.device):
+                o, finals, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
+                                                  scale, keep=(mode == "saved"))
             if want_final:
                 for f in local:
                     if f.is_last:
@@ -136,12 +184,14 @@ class _ChunkKdaCP(torch.autograd.Function):
             lctx, M_local = None, {}
             if local:
                 # Replay: the same calls on the same values as the forward -> bitwise the same.
-                _, _, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
-                                             scale, keep=True)
-                for f in local:
-                    if f.needs_state and not f.is_last:
-                        M_local[f.index] = backend.summary(k, v, g, beta, f.local_start,
-                                                           f.local_start + f.length)[0]
+                with _Phase("bwd replay", q.device):
+                    _, _, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
+                                                 scale, keep=True)
+                with _Phase("bwd summary walks", q.device):
+                    for f in local:
+                        if f.needs_state and not f.is_last:
+                            M_local[f.index] = backend.summary(k, v, g, beta, f.local_start,
+                                                               f.local_start + f.length)[0]
         device = do.device
         # Exit-state gradients known locally: the final-state gradient of documents that end here.
         known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)
@@ -154,15 +204,17 @@ class _ChunkKdaCP(torch.autograd.Function):
         first_pass = None
         if any(f.needs_state for f in local):
             state_grads = getattr(backend, "state_grads", None)
-            first_pass = (state_grads(lctx, do, known) if state_grads is not None
-                          else backend.backward(lctx, do, known)[5])
+            with _Phase("bwd summary walks", device):
+                first_pass = (state_grads(lctx, do, known) if state_grads is not None
+                              else backend.backward(lctx, do, known)[5])
         items = {}
         for f in local:
             if f.needs_state:
                 D = first_pass[f.segment]
                 items[f.index] = D if f.is_last else torch.cat([M_local[f.index].reshape(-1),
                                                                  D.reshape(-1)])
-        published = exchange(plan, group, backward_payload_size(H, K, V), items, sd, like=do)
+        with _Phase("bwd exchange", device):
+            published = exchange(plan, group, backward_payload_size(H, K, V), items, sd, like=do)
 
         # 2. true exit-state gradients, then the local backward with them.
         dS_out = compose_exit_grads(plan, published, H, K, V, local)
@@ -177,7 +229,8 @@ class _ChunkKdaCP(torch.autograd.Function):
         for f in local:
             if not f.is_last:
                 true[f.segment] = dS_out[f.index].to(device)
-        final_pass = backend.backward(lctx, do, true)
+        with _Phase("bwd local", device):
+            final_pass = backend.backward(lctx, do, true)
         grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
         dh0 = None
         if has_h0:
