@@ -198,3 +198,20 @@ def test_bwd_walk_forms_are_bitwise_equal(chains, H):
     full = chunk_kda_bwd_walk(saved, dout, dht, tape_form="full")
     split = chunk_kda_bwd_walk(saved, dout, dht, tape_form="split")
     assert torch.equal(full[0], split[0]) and torch.equal(full[1], split[1])
+
+
+def test_non_finite_inputs_give_non_finite_outputs_not_a_hang():
+    lens, H = [100, 70], 2
+    q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("nan"), True)
+    q = q.clone()
+    q[0, 5, 1, 3] = float("nan")
+    g = g.clone()
+    g[0, 120, 0, 7] = float("nan")
+    o, ht, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                 save_tape=True)
+    torch.cuda.synchronize()
+    assert not torch.isfinite(o[0, 5:100, 1]).all()       # NaN in q reaches its own output row
+    assert not torch.isfinite(ht).all()
+    grads = chunk_kda_bwd(saved, torch.randn_like(q), None)
+    torch.cuda.synchronize()
+    assert not all(torch.isfinite(x).all() for x in grads[:5])
