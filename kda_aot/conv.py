@@ -10,21 +10,24 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from ._tensor import check_cu_seqlens, describe, stream_of
+from ._tensor import describe, stream_of
+from .packing import pack_tables
 
 WIDTH = 4
 
 
-def _check(x, weight, bias, halo, cu_seqlens):
+def _checked_boundaries(x, weight, bias, halo, cu_seqlens):
+    """Argument checks; returns the int32 device copy of cu_seqlens (kda_aot.packing)."""
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x: expected shape [1, T, D], got {list(x.shape)}")
-    check_cu_seqlens(cu_seqlens, x.shape[1])
-    for name, t in (("weight", weight), ("bias", bias), ("halo", halo), ("cu_seqlens", cu_seqlens)):
+    for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device} but x is on {x.device}")
+    # validated on the host (CPU boundaries: no sync), device copy cached by value
+    return pack_tables(cu_seqlens, x.shape[1], x.device).cu
 
 
 def _f32(t):
@@ -89,8 +92,9 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """silu(causal_conv1d(x)) over packed documents, differentiable in x, weight, bias and halo.
 
     x: [1, T, D] bf16 (D a multiple of 8), weight: [D, 4], bias: [D] or None,
-    cu_seqlens: int32/int64 [N + 1] document boundaries, halo: [N, 3, D] bf16 or None (the 3
+    cu_seqlens: int32/int64 [N + 1] document boundaries, on the CPU (no host sync: what a CUDA
+    graph capture needs) or x's device, halo: [N, 3, D] bf16 or None (the 3
     tokens before each segment; zeros where a segment starts its document). Returns y [1, T, D] bf16.
     """
-    _check(x, weight, bias, halo, cu_seqlens)
-    return _Conv1dSilu.apply(x, weight, bias, halo, cu_seqlens)
+    cu = _checked_boundaries(x, weight, bias, halo, cu_seqlens)
+    return _Conv1dSilu.apply(x, weight, bias, halo, cu)

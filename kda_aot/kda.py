@@ -203,11 +203,25 @@ def _available_bytes(device) -> int:
     return int(0.85 * (free + cached))
 
 
+_LAST_GROUPS: dict = {}  # (T, H, n_chunks, device) -> the grouping of the last eager call
+
+
+def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
+    """The replay backward's head groups. Under CUDA-graph capture no memory query is made: the
+    grouping of the last eager call of this shape is reused (warm up before capturing)."""
+    key = (T, H, n_chunks, torch.device(device))
+    if torch.cuda.is_current_stream_capturing():
+        return _LAST_GROUPS.get(key, [(0, H)])
+    groups = head_groups(H, replay_bytes_per_head(T, n_chunks), _available_bytes(device))
+    _LAST_GROUPS[key] = groups
+    return groups
+
+
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs)."""
     T, H = q.shape[1], q.shape[2]
     tables = pack_tables(cu_seqlens, T, q.device)
-    groups = head_groups(H, replay_bytes_per_head(T, tables.chunks.shape[0]), _available_bytes(q.device))
+    groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
     if len(groups) == 1:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
                                     save_tape=True)

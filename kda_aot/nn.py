@@ -84,7 +84,9 @@ class PackedKDA(nn.Module):
             from .conv import causal_conv1d_silu
 
             def conv(x, w, b, cu_seqlens, halo):
-                cu = torch.as_tensor(cu_seqlens, dtype=torch.int32, device=x.device)
+                # a list or CPU tensor stays on the host: no copy, no sync (kda_aot.packing)
+                cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens,
+                                                                                        dtype=torch.int32)
                 return causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=halo)
             return conv
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
