@@ -1,9 +1,10 @@
 """The main job: `python -m kda_aot`.
 
-With a GPU: the conv1d + SiLU training step (forward + backward) on pack Q1 with D = 12,288,
-timed side by side with flash-linear-attention when it is installed, and the reference KDA
-training step on a small packed example. Without a GPU it says so and runs the reference
-(KDA forward + backward, conv forward + backward) on a small pack on the CPU.
+With a GPU: the packed KDA training step (`kda_aot.chunk_kda`, forward and forward + backward in
+both backward modes) on pack Q1 with H = 32, and the conv1d + SiLU training step on Q1 with
+D = 12,288, each timed side by side with flash-linear-attention when it is installed, then the
+reference KDA training step on a small packed example. Without a GPU it says so and runs the
+reference (KDA forward + backward, conv forward + backward) on a small pack on the CPU.
 """
 from __future__ import annotations
 
@@ -53,12 +54,12 @@ def main() -> int:
         print(json.dumps(reference_step("cpu"), indent=2))
         return 0
     print(f"kda_aot: GPU {torch.cuda.get_device_name()}")
-    from .bench import conv
+    from .bench import conv, single
     from .bench.common import write_rows
-    rows = conv.run(pack="Q1")
-    for r in rows:
-        print(json.dumps(r, sort_keys=True))
-    print(f"rows written to {write_rows(rows, 'conv')}")
+    for suite, rows in (("single", single.run(packs=("Q1",), H=32, iters=10)), ("conv", conv.run(pack="Q1"))):
+        for r in rows:
+            print(json.dumps(r, sort_keys=True))
+        print(f"rows written to {write_rows(rows, suite)}")
     print("reference KDA step (fp64, GPU):")
     print(json.dumps(reference_step("cuda"), indent=2))
     return 0
