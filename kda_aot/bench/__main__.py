@@ -1,4 +1,5 @@
-"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd] [--iters N] [--out DIR]
+"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd]
+    [--walk-forms auto,full] [--no-fla] [--iters N] [--out DIR]
 torchrun --nproc-per-node W -m kda_aot.bench cp [--pack ...] [--heads 32] [--iters N] [--out DIR]"""
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd or both")
     p.add_argument("--no-fla", action="store_true", help="single: leave out the flash-linear-attention arm")
+    p.add_argument("--walk-forms", default="auto", help="single: fit-rule knob per kda_aot arm, e.g. auto,full")
     p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -34,7 +36,8 @@ def main(argv=None) -> int:
     else:
         from . import single
         rows = single.run(packs=args.pack.split(","), H=args.heads, iters=args.iters,
-                          boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla)
+                          boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla,
+                          walk_forms=tuple(args.walk_forms.split(",")))
     path = write_rows(rows, args.suite, args.out)
     for r in rows:
         print(json.dumps(r, sort_keys=True))

@@ -83,3 +83,18 @@ def write_rows(rows: list[dict], suite: str, out_dir: Path | None = None) -> Pat
         for r in rows:
             f.write(json.dumps(r, sort_keys=True) + "\n")
     return path
+
+
+def with_walk_form(form, fn):
+    """fn with the fit rule's knob forced to `form` during the call (auto: the rule decides)."""
+    def call():
+        old = os.environ.get("KDA_AOT_WALK_FORM")
+        os.environ["KDA_AOT_WALK_FORM"] = form
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["KDA_AOT_WALK_FORM"]
+            else:
+                os.environ["KDA_AOT_WALK_FORM"] = old
+    return call

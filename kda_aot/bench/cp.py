@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import cp
 from ..nn import PackedKDA
-from .common import row, write_rows
+from .common import row, with_walk_form, write_rows
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
@@ -65,7 +65,7 @@ def fla_kda():
     return build_cp_context, chunk_kda
 
 
-def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None) -> list[dict]:
+def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",)) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
@@ -96,7 +96,10 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                 o, _ = module(*leaves, gl, bl, plan=plan)
                 o.backward(do)
 
-            arms = {("kda_aot", "B1"): b1, ("kda_aot", "B3"): b3}
+            arms = {}
+            for wf in walk_forms:  # issue 5: the fit rule (auto) against forced forms, interleaved
+                name = "kda_aot" if wf == "auto" else f"kda_aot@{wf}"
+                arms[(name, "B1")], arms[(name, "B3")] = with_walk_form(wf, b1), with_walk_form(wf, b3)
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -120,8 +123,9 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             phases = _phases_by_rank(b3, iters=3)
             for (arm, boundary), ts in times.items():
                 extra = {"phases_ms_by_rank": phases} if (arm, boundary) == ("kda_aot", "B3") else {}
+                form = (arm.partition("@")[2] or "auto") if arm.startswith("kda_aot") else None
                 rows.append(row("cp", pack=pack, heads=H, cp=world, layout=layout, boundary=boundary,
-                                mode="replay", arm=arm, walk_form="auto", ms=round(statistics.median(ts), 3),
+                                mode="replay", arm=arm, walk_form=form, ms=round(statistics.median(ts), 3),
                                 **extra))
             del q, k, v, gl, bl, do, leaves
         del xs, g, beta
@@ -139,11 +143,13 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=HEADS_DEFAULT)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--walk-forms", default="auto", help="fit-rule knob per kda_aot arm, e.g. auto,full")
     args = p.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     try:
-        rows = run(packs=args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out)
+        rows = run(packs=args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
+                   walk_forms=tuple(args.walk_forms.split(",")))
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import registry
 from ..kda import chunk_kda, chunk_kda_fwd
-from .common import interleaved, peak_gib, row
+from .common import interleaved, peak_gib, row, with_walk_form
 from .packs import HEAD_DIM, PACKS
 
 
@@ -64,7 +63,7 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
     out = []
     for name, peak in peaks.items():
         fields = dict(pack=pack, heads=H, boundary=boundary, mode=mode, arm=name,
-                      walk_form={"kda_aot": "full", "kda_aot:split": "split"}.get(name.split("@")[0]))
+                      walk_form=(name.partition("@")[2] or "auto") if name.startswith("kda_aot") else None)
         if peak is None:
             out.append(row("single", **fields, oom=True))
         else:
@@ -75,20 +74,20 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
     return out
 
 
-def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"), with_fla=True) -> list[dict]:
+def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"), with_fla=True,
+        walk_forms=("auto",)) -> list[dict]:
+    """walk_forms: one kda_aot arm per fit-rule knob value ("kda_aot" = auto, "kda_aot@full", ...),
+    interleaved with each other and with FLA (issue 5: auto vs forced full)."""
     rows = []
     fla = fla_chunk_kda() if with_fla else None
+    names = {wf: "kda_aot" if wf == "auto" else f"kda_aot@{wf}" for wf in walk_forms}
     for pack in packs:
         q, k, v, g, beta, cu = inputs(PACKS[pack], H)
-        cu64 = cu.long()
+        cu_host, cu64 = cu.cpu(), cu.long()  # ours: CPU boundaries (no host sync); FLA's: its own
         if "fwd" in boundaries:
-            arms = {"kda_aot": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)}
-            try:  # the split walk form, when built (test-only until the fit rule ships it)
-                registry.library("kda_fwd_tape", "split")
-                arms["kda_aot:split"] = lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu,
-                                                              output_final_state=True, tape_form="split")
-            except registry.RecordError:
-                pass
+            arms = {names[wf]: with_walk_form(wf, lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_host,
+                                                                    output_final_state=True))
+                    for wf in walk_forms}
             if fla is not None:
                 arms["fla"] = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu64)
             rows += _rows(pack, H, "fwd", "none", *_measure(arms, iters))
@@ -96,7 +95,9 @@ def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"
             leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]  # no copies: H = 64 is tight
             do = torch.randn_like(v)
             for mode in ("replay", "saved"):
-                arms = {"kda_aot": _fwdbwd(lambda m=mode: chunk_kda(*leaves, cu_seqlens=cu, backward=m)[0], leaves, do)}
+                arms = {names[wf]: with_walk_form(wf, _fwdbwd(lambda m=mode: chunk_kda(*leaves, cu_seqlens=cu_host,
+                                                                                    backward=m)[0], leaves, do))
+                        for wf in walk_forms}
                 if fla is not None:
                     arms["fla"] = _fwdbwd(lambda: fla(*leaves, cu_seqlens=cu64)[0], leaves, do)
                 rows += _rows(pack, H, "fwdbwd", mode, *_measure(arms, iters))
