@@ -53,11 +53,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, tape_form=None):
-    """Forward kernels: returns (o, final_state or None, saved), saved = the chunk intermediates,
+                  save_tape=False, out=None, tape_form=None, want_output=True):
+    """Forward kernels: returns (o or None, final_state or None, saved), saved = the chunk intermediates,
     plus the fp32 state tape, V' and (I + L)^-1 when `save_tape` (what the backward needs). `out` may hold preallocated `o` /
     `final_state` (tests poison them). tape_form: auto | full | split (default: the
-    KDA_AOT_WALK_FORM knob, else auto = the fit rule)."""
+    KDA_AOT_WALK_FORM knob, else auto = the fit rule). want_output=False: the walk skips the output
+    stage (the replay backward and the CP summaries need the tape and states only; bitwise the same)."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H, N = q.shape[1], q.shape[2], tables.n_segments
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
@@ -75,7 +76,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
         "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32) if save_tape else None,
         "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16) if save_tape else None,
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
-        "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)),
+        "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
         "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                         if output_final_state else None),
     }
@@ -224,7 +225,7 @@ def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
     if len(groups) == 1:
         _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                    save_tape=True)
+                                    save_tape=True, want_output=False)
         return chunk_kda_bwd(saved, do, dht, release=True)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
@@ -234,7 +235,8 @@ def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
         part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
         state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
         _, _, saved = chunk_kda_fwd(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(),
-                                    cu_seqlens=cu_seqlens, scale=scale, initial_state=state(h0), save_tape=True)
+                                    cu_seqlens=cu_seqlens, scale=scale, initial_state=state(h0), save_tape=True,
+                                    want_output=False)
         got = chunk_kda_bwd(saved, part(do), state(dht), release=True)
         del saved
         for full, x in zip(grads[:5], got[:5]):

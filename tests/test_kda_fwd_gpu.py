@@ -121,3 +121,16 @@ def test_walk_forms_are_bitwise_equal(chains, H):
     (o1, h1, s1), (o2, h2, s2) = runs
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
     assert torch.equal(s1["tape"], s2["tape"]) and torch.equal(s1["vnew"], s2["vnew"])
+
+
+@pytest.mark.parametrize("form", ["full", "split"])
+def test_walk_without_output_is_bitwise_the_same(form):
+    """want_output=False (the replay's and the CP summaries' walk) skips the output stage only."""
+    q, k, v, g, beta, cu, h0 = make(PACKS["edges"], 3, "rand", rng(("no-output", form)), True)
+    a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
+                      tape_form=form)
+    b = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
+                      tape_form=form, want_output=False)
+    assert b[0] is None and torch.equal(a[1], b[1])
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(a[2][name], b[2][name]), name

@@ -93,8 +93,8 @@ class CudaBackend:
         from ..kda import chunk_kda_fwd, chunk_kda_transfer
         frag = [x[:, lo:hi] for x in (k, v, g, beta)]
         cu = torch.tensor([0, hi - lo], dtype=torch.int32)  # CPU boundaries: no host sync
-        # the walk needs a q; the fragment's k stands in (the output is discarded)
-        _, B, saved = chunk_kda_fwd(frag[0], *frag, cu_seqlens=cu, output_final_state=True)
+        # the kernels take a q; the fragment's k stands in (no output is computed)
+        _, B, saved = chunk_kda_fwd(frag[0], *frag, cu_seqlens=cu, output_final_state=True, want_output=False)
         return chunk_kda_transfer(saved)[0], B[0]
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
