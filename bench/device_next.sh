@@ -20,3 +20,4 @@ timeout 60 python3 bench/gate_ab.py Q1 32 2>&1 | tail -1; stamp "gate A/B"
 timeout 60 python3 bench/profile_kda.py Q1 32 2>&1 | grep -E "kda_|Self CUDA" | cut -c1-60,120-200; stamp profile
 timeout 60 python3 bench/profile_module.py Q1 32 > "$OUT/profile_module.log" 2>&1; grep -E "B3|kda_|l2norm|conv1d|elementwise|reduce" "$OUT/profile_module.log" | cut -c1-55,100-150 | head -14
 timeout 200 python3 -m kda_aot.bench single --pack Q1 --iters 10 --out "$OUT" 2>&1 | grep -E '"ms"|ratio|oom|Error' | cut -c1-330; stamp single
+(cd "$(dirname "$0")/.." && timeout 400 bash bench/ncu_kda.sh 2>&1 | tail -70); stamp ncu

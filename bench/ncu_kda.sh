@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Nsight Compute on the two KDA forward kernels (one launch each, pack Q1 with 4 heads):
-# speed of light, occupancy, warp stall reasons. Leaves the clocks alone.
+# Nsight Compute on the KDA kernels of one training step (one launch each, pack Q1 with 4 heads):
+# speed of light, occupancy, warp stall reasons, memory. Leaves the clocks alone. Kernels: the
+# arguments (default: every forward and backward program, both gate forms).
 source "$(dirname "$0")/device_env.sh"
-KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape python3 setup.py -q build_ext --inplace 2>&1 | tail -3
-for k in kda_fwd_chunk kda_fwd_tape; do
-  PYTHONPATH=$PWD ncu --clock-control none -k regex:$k -c 1 --section SpeedOfLight --section Occupancy \
-    --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
-    python3 bench/profile_kda.py Q1 4 > "$OUT/ncu_$k.txt" 2>&1
-  grep -E "Duration|Throughput|Achieved Occupancy|Theoretical Occupancy|Registers|Shared Memory Config|Warp Cycles Per Issued|Stall|Block Limit|Issued Ipc|L1/TEX Hit|Mem Busy|Max Bandwidth" "$OUT/ncu_$k.txt" | head -40
+KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
+  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+for k in ${@:-kda_fwd_chunk kda_fwd_tape kda_bwd_tape kda_bwd_chunk kda_bwd_gate}; do
+  for gate in default split; do
+    [ "$k" != kda_bwd_gate ] && [ $gate = split ] && continue
+    KDA_AOT_GATE_FORM=$gate PYTHONPATH=$PWD timeout 120 ncu --clock-control none -k regex:"$k\\b" -c 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section LaunchStats python3 bench/profile_kda.py Q1 4 > "$OUT/ncu_${k}_$gate.txt" 2>&1
+    echo "== $k ($gate)"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit (Reg|Shared)|Issued Ipc|DRAM Throughput" "$OUT/ncu_${k}_$gate.txt" | head -14
+  done
 done
