@@ -3,6 +3,7 @@
 # programs, kda_bwd_gate/split, kda_bwd_tape/split (bitwise tests on 1/2/6/500 chains x H 1/32/64),
 # the rewritten shipped records (gate generalised, backward walk generalised), sanitizers, the fit
 # rule's rho for both walks with the per-walk table, the gate A/B, profiles, the single benchmark.
+# (Nsight Compute on every kernel: bench/ncu_kda.sh, a call of its own.)
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 KDA_AOT_TEST_RECORDS=1 python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
@@ -20,4 +21,3 @@ timeout 60 python3 bench/gate_ab.py Q1 32 2>&1 | tail -1; stamp "gate A/B"
 timeout 60 python3 bench/profile_kda.py Q1 32 2>&1 | grep -E "kda_|Self CUDA" | cut -c1-60,120-200; stamp profile
 timeout 60 python3 bench/profile_module.py Q1 32 > "$OUT/profile_module.log" 2>&1; grep -E "B3|kda_|l2norm|conv1d|elementwise|reduce" "$OUT/profile_module.log" | cut -c1-55,100-150 | head -14
 timeout 200 python3 -m kda_aot.bench single --pack Q1 --iters 10 --out "$OUT" 2>&1 | grep -E '"ms"|ratio|oom|Error' | cut -c1-330; stamp single
-(cd "$(dirname "$0")/.." && timeout 400 bash bench/ncu_kda.sh 2>&1 | tail -70); stamp ncu
