@@ -15,6 +15,7 @@ import torch
 
 from . import fit, registry
 from ._tensor import describe, stream_of
+from .norm import l2norm_torch
 from .packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
@@ -27,8 +28,8 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if initial_state is not None and not isinstance(initial_state, torch.Tensor):
         raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected shape [1, T, H, 128], got {list(q.shape)}")
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected shape [1, T, H, 128] (packed documents), got {list(q.shape)}")
     T, H = q.shape[1], q.shape[2]
     if H > MAX_HEADS:
         raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
@@ -279,17 +280,42 @@ class _ChunkKDA(torch.autograd.Function):
                 None, None, None, None)
 
 
-def chunk_kda(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-              backward="replay"):
-    """Chunked KDA on packed documents, differentiable; flash-linear-attention's chunk_kda
-    arguments: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 log decay, beta [1, T, H] bf16,
-    cu_seqlens [N + 1], initial_state [N, H, 128, 128] fp32. Returns (o, final_state or None).
+def chunk_kda(q, k, v, g, beta, *, cu_seqlens=None, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, backward="replay"):
+    """Chunked KDA, differentiable; flash-linear-attention's chunk_kda arguments: q, k, v
+    [B, T, H, 128] bf16, g [B, T, H, 128] fp32 log decay, beta [B, T, H] bf16, initial_state
+    [N, H, 128, 128] fp32. Packed documents: B = 1 and cu_seqlens [N + 1] (on the CPU: no host
+    sync); without cu_seqlens, B sequences of T tokens (N = B). Returns (o [B, T, H, 128] bf16,
+    final_state [N, H, 128, 128] fp32 or None).
+    use_qk_l2norm_in_kernel: q and k are L2-normalised per head first (differentiably).
     backward: "replay" keeps only the inputs and reruns the forward kernels in the backward (a head
     group at a time when memory is short); "saved" keeps the tape and the chunk intermediates.
     The two give bitwise equal gradients."""
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
-    return _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape [B, T, H, 128], got {list(q.shape)}")
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
+        for name, t in (("k", k), ("v", v), ("g", g)):
+            if t.shape != q.shape:
+                raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
+        if beta.dim() != 3 or tuple(beta.shape[:2]) != (B, T):
+            raise ValueError(f"beta: expected shape [{B}, {T}, H], got {list(beta.shape)}")
+        if T < 1:
+            raise ValueError("q: T must be at least 1")
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+        q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+        beta = beta.reshape(1, B * T, beta.shape[2])
+    elif B != 1:
+        raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_torch(q), l2norm_torch(k)
+    o, final = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)
+    return o.reshape(B, T, *o.shape[2:]), final
 
 
 def chunk_kda_transfer(saved: dict):

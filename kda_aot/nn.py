@@ -21,15 +21,11 @@ from .cp.halo import conv1d_silu_cp
 from .cp.backends import ReferenceBackend
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp
 from .cp.plan import CPPlan
-from .norm import L2NORM_EPS
+from .norm import l2norm_torch
 
 __all__ = ["PackedKDA"]
 
 BACKENDS = ("reference", "cuda")
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
 class PackedKDA(nn.Module):
@@ -128,9 +124,7 @@ class PackedKDA(nn.Module):
         # kda_aot.norm (one fused pass each way) replaces this on the CUDA backend once its
         # records have passed their GPU tests (bench/NOTES.md: ~60 ms of PyTorch passes on Q1)
         if self.qk_l2norm:
-            # In fp32 at least (a bf16 sum of 128 squares would lose the norm's low bits).
-            qc, kc = (_l2norm(x.float() if x.dtype != torch.float64 else x).to(x.dtype)
-                      for x in (qc, kc))
+            qc, kc = l2norm_torch(qc), l2norm_torch(kc)
         return qc, kc, vc
 
     def forward(self, q, k, v, g, beta, *, cu_seqlens=None, plan: Optional[CPPlan] = None,

@@ -15,6 +15,13 @@ L2NORM_EPS = 1e-6
 WIDTH = 128
 
 
+def l2norm_torch(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """The same norm in differentiable PyTorch (any head dim, CPU or GPU): fp32 arithmetic at least
+    (a bf16 sum of 128 squares would lose the norm's low bits), the result in x's dtype."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
     """Kernel call: (y bf16 like x, rstd fp32 x.shape[:-1]). `out` may hold y / rstd (tests poison them)."""
     out = dict(out or {})

@@ -215,3 +215,28 @@ def test_non_finite_inputs_give_non_finite_outputs_not_a_hang():
     grads = chunk_kda_bwd(saved, torch.randn_like(q), None)
     torch.cuda.synchronize()
     assert not all(torch.isfinite(x).all() for x in grads[:5])
+
+
+def test_batched_input_and_qk_l2norm_follow_fla_conventions():
+    """Without cu_seqlens, [B, T, H, 128] is B documents of T tokens (bitwise the packed run);
+    use_qk_l2norm_in_kernel normalises q and k first, differentiably."""
+    from kda_aot import chunk_kda
+    from kda_aot.norm import l2norm_torch
+    B, T, H = 3, 100, 2
+    q, k, v, g, beta, cu, h0 = make([T] * B, H, "rand", rng("batched"), True)
+    raw = [x.clone() for x in (q, k)]
+    raw[0].mul_(3.0)
+    leaves = lambda xs: [x.detach().clone().requires_grad_() for x in xs]  # noqa: E731
+    a = leaves([raw[0], raw[1], v, g, beta])
+    o_b, s_b = chunk_kda(*(x.reshape(B, T, *x.shape[2:]) for x in a), initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+    b = leaves([raw[0], raw[1], v, g, beta])
+    o_p, s_p = chunk_kda(l2norm_torch(b[0]), l2norm_torch(b[1]), *b[2:], cu_seqlens=cu.cpu(), initial_state=h0,
+                         output_final_state=True)
+    assert o_b.shape == (B, T, H, 128)
+    assert torch.equal(o_b.reshape(o_p.shape), o_p) and torch.equal(s_b, s_p)
+    do = torch.randn(o_p.shape, device="cuda", generator=rng("batched-do")).to(torch.bfloat16)
+    o_b.backward(do.reshape(o_b.shape))
+    o_p.backward(do)
+    for x, y in zip(a, b):
+        assert torch.equal(x.grad, y.grad)

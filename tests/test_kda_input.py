@@ -151,3 +151,21 @@ def test_replay_working_set_is_counted_per_head():
     # Q1 (249,856 tokens, 3,904 chunks): about 1.8 GB a head, so H = 64 needs two groups on an H200
     b = replay_bytes_per_head(249856, 3904)
     assert 1.7e9 < b < 1.9e9
+
+
+def test_chunk_kda_batched_and_packed_shapes_are_checked():
+    from kda_aot import chunk_kda
+    x = torch.randn(2, 8, 1, 128, device=DEV).to(torch.bfloat16)
+    g = torch.zeros(2, 8, 1, 128, device=DEV)
+    b = torch.rand(2, 8, 1, device=DEV).to(torch.bfloat16)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"packed in one sequence \(B = 1\), got B = 2"):
+        chunk_kda(x, x, x, g, b, cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"beta: expected shape \[2, 8, H\]"):
+        chunk_kda(x, x, x, g, b[:1])
+    with pytest.raises(ValueError, match=r"g: expected shape \[2, 8, 1, 128\]"):
+        chunk_kda(x, x, x, g[:, :4], b)
+    with pytest.raises(TypeError, match="beta: expected a torch.Tensor"):
+        chunk_kda(x, x, x, g, None)
+    with pytest.raises(ValueError, match=r"q: expected shape \[1, T, H, 128\] \(packed documents\)"):
+        chunk_kda_fwd(x, x, x, g, b, cu_seqlens=cu)
