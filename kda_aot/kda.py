@@ -120,19 +120,20 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
 def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv (bf16) and the fp32
-    intermediates drk, dqg, dkg, daqk, dakk, dbeta_v, dgam_s (see templates/common/kda.h)."""
+    intermediates drk, dqg, dkg, dbeta_v, dgam_s and the bf16 daqk, dakk (see templates/common/kda.h)."""
     q = saved["q"]
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
     T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
     scale = saved["scale"]
     f32 = dict(device=q.device, dtype=torch.float32)
+    bf16 = dict(device=q.device, dtype=torch.bfloat16)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
     t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
              drk=torch.empty(1, T, H, HEAD_DIM, **f32), dqg=torch.empty(1, T, H, HEAD_DIM, **f32),
-             dkg=torch.empty(1, T, H, HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **f32),
-             dakk=torch.empty(1, T, H, CHUNK, **f32), dbeta_v=torch.empty(1, T, H, **f32),
+             dkg=torch.empty(1, T, H, HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
+             dakk=torch.empty(1, T, H, CHUNK, **bf16), dbeta_v=torch.empty(1, T, H, **f32),
              dgam_s=torch.empty(C, H, HEAD_DIM, **f32))
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     registry.library("kda_bwd_chunk").launch(desc, scale, stream_of(q))

@@ -23,12 +23,13 @@ __device__ __forceinline__ uint2 load_nc_8(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ void unpack_bf16x2(uint32_t w, float& lo, float& hi) {
+__device__ __forceinline__ void unpack_bf16(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+// Two floats to a bf16 pair (round to nearest even), lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
 }
@@ -52,7 +53,7 @@ struct Bf16Vec {
 
   __device__ __forceinline__ void unpack(float (&f)[C]) const {
 #pragma unroll
-    for (int i = 0; i < C / 2; ++i) unpack_bf16x2(w[i], f[2 * i], f[2 * i + 1]);
+    for (int i = 0; i < C / 2; ++i) unpack_bf16(w[i], f[2 * i], f[2 * i + 1]);
   }
 };
 
@@ -67,10 +68,10 @@ template <int C>
 __device__ __forceinline__ void store_bf16(uint16_t* p, const float (&f)[C]) {
   static_assert(C == 4 || C == 8, "4 or 8 bf16 per access");
   if constexpr (C == 8) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]),
-                                              pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+    *reinterpret_cast<uint4*>(p) = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]),
+                                              pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
   } else {
-    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]));
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]));
   }
 }
 

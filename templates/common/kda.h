@@ -69,8 +69,8 @@ struct KdaBwdArgs {
   float* drk;                    // [T, H, 128] fp32  dRk = (I + L)^-T dW,  dW = -dV' S^T
   float* dqg;                    // [T, H, 128] fp32  scale dO S^T
   float* dkg;                    // [T, H, 128] fp32  V' dS_end^T
-  float* daqk;                   // [T, H, 64]  fp32  scale tril(dO V'^T)
-  float* dakk;                   // [T, H, 64]  fp32  -tril_strict(dRk W^T + dRv U^T)
+  uint16_t* daqk;                // [T, H, 64]  bf16  scale tril(dO V'^T)   (bf16: the gated products' operand,
+  uint16_t* dakk;                // [T, H, 64]  bf16  -tril_strict(dRk W^T + dRv U^T)  rounded once, here)
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
   float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)
   // kda_bwd_gate inputs: q, k, g, beta and the fp32 intermediates above; outputs:

@@ -93,8 +93,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"drk", kFloat32, tok, "[1, T, H, 128]"},
       {"dqg", kFloat32, tok, "[1, T, H, 128]"},
       {"dkg", kFloat32, tok, "[1, T, H, 128]"},
-      {"daqk", kFloat32, {1, T, H, kChunk}, "[1, T, H, 64]"},
-      {"dakk", kFloat32, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"daqk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"dakk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dbeta_v", kFloat32, {1, T, H}, "[1, T, H]"},
       {"dgam_s", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
       {"dq", kBFloat16, tok, "[1, T, H, 128]"},
@@ -190,8 +190,8 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.drk = reinterpret_cast<float*>(k.ptr("drk"));
   a.dqg = reinterpret_cast<float*>(k.ptr("dqg"));
   a.dkg = reinterpret_cast<float*>(k.ptr("dkg"));
-  a.daqk = reinterpret_cast<float*>(k.ptr("daqk"));
-  a.dakk = reinterpret_cast<float*>(k.ptr("dakk"));
+  a.daqk = reinterpret_cast<uint16_t*>(k.ptr("daqk"));
+  a.dakk = reinterpret_cast<uint16_t*>(k.ptr("dakk"));
   a.dbeta_v = reinterpret_cast<float*>(k.ptr("dbeta_v"));
   a.dgam_s = reinterpret_cast<float*>(k.ptr("dgam_s"));
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
