@@ -169,3 +169,12 @@ def test_chunk_kda_batched_and_packed_shapes_are_checked():
         chunk_kda(x, x, x, g, None)
     with pytest.raises(ValueError, match=r"q: expected shape \[1, T, H, 128\] \(packed documents\)"):
         chunk_kda_fwd(x, x, x, g, b, cu_seqlens=cu)
+
+
+def test_backward_forms_are_checked_before_any_kernel(monkeypatch):
+    from kda_aot.kda import chunk_kda_bwd
+    with pytest.raises(ValueError, match="gate_form: expected one of"):
+        chunk_kda_bwd({}, None, gate_form="quarter")
+    monkeypatch.setenv("KDA_AOT_GATE_FORM", "half")
+    with pytest.raises(ValueError, match="gate_form: expected one of"):
+        chunk_kda_bwd({}, None)
