@@ -93,10 +93,15 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_bwd_chunk", form="default", params={"threads": 256},
            select="always (the plain-product half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
-    Record(program="kda_bwd_gate", form="default", params={"threads": 256, "columns": 128, "min_blocks": 1},
+    Record(program="kda_bwd_gate", form="default", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},
            select="always (the gated half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)"),
-    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2},
+    Record(program="kda_bwd_gate", form="staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
+           select="tests and benchmarks only until measured against `default` (bitwise equal to it): dQg, dRk, "
+                  "dKg copied to shared memory up front (225 KB: still one CTA per SM) instead of read in the loops",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
+           shipped=False),
+    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False},
            select="tests and benchmarks only until measured against `default` (dq, dk, dg bitwise equal to it; "
                   "dbeta summed in another order): half the registers and shared memory, two CTAs per SM",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "

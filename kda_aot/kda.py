@@ -140,7 +140,7 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-GATE_FORMS = ("default", "split")
+GATE_FORMS = ("default", "staged", "split")
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None):
@@ -149,7 +149,7 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
-    gate_form: default | split (two CTAs per (chunk, head); default: KDA_AOT_GATE_FORM, else default)."""
+    gate_form: default | staged | split (kda_bwd_gate's forms; default: KDA_AOT_GATE_FORM, else default)."""
     gate_form = gate_form or os.environ.get("KDA_AOT_GATE_FORM", "default")
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate_form: expected one of {GATE_FORMS}, got {gate_form!r}")

@@ -160,25 +160,29 @@ def test_replay_keeps_no_per_chunk_tensors():
     assert kept <= o.numel() * o.element_size() + ht.numel() * ht.element_size() + (1 << 20), kept
 
 
-def test_gate_split_form_matches_default():
-    """kda_bwd_gate/split (two CTAs over 64 channels): dq, dk, dg bitwise equal to the default form
-    (every element: the same operands in the same mma chain); dbeta sums its channel partials in
-    another order: equal to fp32 rounding."""
+@pytest.mark.parametrize("form", ["staged", "split"])
+def test_gate_forms_match_default(form):
+    """kda_bwd_gate/staged (fp32 inputs staged in shared memory) is bitwise equal to the default form;
+    /split (two CTAs over 64 channels): dq, dk, dg bitwise equal (every element: the same operands in
+    the same mma chain), dbeta sums its channel partials in another order: equal to fp32 rounding."""
     from kda_aot import registry
     try:
-        registry.library("kda_bwd_gate", "split")
+        registry.library("kda_bwd_gate", form)
     except registry.RecordError:
-        pytest.skip("kda_bwd_gate/split not built (KDA_AOT_TEST_RECORDS=1)")
+        pytest.skip(f"kda_bwd_gate/{form} not built (KDA_AOT_TEST_RECORDS=1)")
     lens, H = PACKS["edges"], 3
-    q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("gate-split"), True)
+    q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("gate-forms", form)), True)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
-    dout = torch.randn(q.shape, device="cuda", generator=rng("gate-split-do")).to(torch.bfloat16)
+    dout = torch.randn(q.shape, device="cuda", generator=rng(("gate-forms-do", form))).to(torch.bfloat16)
     a = chunk_kda_bwd(saved, dout, gate_form="default")
-    b = chunk_kda_bwd(saved, dout, gate_form="split")
+    b = chunk_kda_bwd(saved, dout, gate_form=form)
     for name, x, y in zip(("dq", "dk", "dv", "dg"), a[:4], b[:4]):
         assert torch.equal(x, y), name
     assert torch.equal(a[5], b[5])
-    assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
+    if form == "staged":
+        assert torch.equal(a[4], b[4])
+    else:
+        assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
 
 
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
