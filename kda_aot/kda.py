@@ -53,42 +53,85 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, tape_form=None, want_output=True):
-    """Forward kernels: returns (o or None, final_state or None, saved), saved = the chunk intermediates,
-    plus the fp32 state tape, V' and (I + L)^-1 when `save_tape` (what the backward needs). `out` may hold preallocated `o` /
-    `final_state` (tests poison them). tape_form: auto | full | split (default: the
-    KDA_AOT_WALK_FORM knob, else auto = the fit rule). want_output=False: the walk skips the output
-    stage (the replay backward and the CP summaries need the tape and states only; bitwise the same)."""
+def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False):
+    """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
+    W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
+    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
-    T, H, N = q.shape[1], q.shape[2], tables.n_segments
+    T, H = q.shape[1], q.shape[2]
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     C = tables.chunks.shape[0]
-    dev = q.device
-    out = dict(out or {})
-    bf16 = dict(device=dev, dtype=torch.bfloat16)
-    f32 = dict(device=dev, dtype=torch.float32)
+    bf16 = dict(device=q.device, dtype=torch.bfloat16)
+    f32 = dict(device=q.device, dtype=torch.float32)
     t = {
-        "q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+        "q": q, "k": k, "v": v, "g": g, "beta": beta,
         "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),
+        "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
+    }
+    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
+    if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
+        desc["initial_state"] = describe(initial_state, "initial_state")
+    registry.library("kda_fwd_chunk").launch(desc, scale, stream_of(q))
+    t["scale"] = scale  # the backward programs read it from the saved context
+    t["chain_lengths"] = tables.chain_lengths  # the walks' fit rule
+    return t
+
+
+def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
+                   tape_form=None, want_output=True):
+    """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
+    (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape)."""
+    q = prepared["q"]
+    T, H = q.shape[1], q.shape[2]
+    N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128], got {list(initial_state.shape)}")
+    if save_tape and prepared.get("akk_inv") is None:
+        raise ValueError("save_tape: prepare the chunk stage with save_tape=True too (the backward reads (I + L)^-1)")
+    out = dict(out or {})
+    bf16 = dict(device=q.device, dtype=torch.bfloat16)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    t = dict(prepared)
+    t.update({
+        "initial_state": initial_state,
         "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32) if save_tape else None,
         "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16) if save_tape else None,
-        "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
         "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                         if output_final_state else None),
-    }
-    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
-    stream = stream_of(q)
-    t["scale"] = scale  # the backward programs read it from the saved context
-    t["chain_lengths"] = tables.chain_lengths  # the backward walk's fit rule
-    registry.library("kda_fwd_chunk").launch(desc, scale, stream)
-    form = fit.choose_form("kda_fwd_tape", tables.chain_lengths, H, _sm_count(dev), tape_form)
-    registry.library("kda_fwd_tape", form).launch(desc, scale, stream)
+    })
+    if not save_tape:
+        t["akk_inv"] = None
+    desc = {name: describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
+    form = fit.choose_form("kda_fwd_tape", prepared["chain_lengths"], H, _sm_count(q.device), tape_form)
+    registry.library("kda_fwd_tape", form).launch(desc, t["scale"], stream_of(q))
     return t["o"], t["final_state"], t
+
+
+def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                  save_tape=False, out=None, tape_form=None, want_output=True):
+    """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
+    saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
+    `save_tape` (what the backward needs). `out` may hold preallocated `o` / `final_state` (tests
+    poison them). tape_form: auto | full | split (default: the KDA_AOT_WALK_FORM knob, else auto =
+    the fit rule). want_output=False: the walk skips the output stage (the replay backward and the
+    CP summaries need the tape and states only; bitwise the same)."""
+    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=initial_state,
+                                 save_tape=save_tape)
+    return chunk_kda_walk(prepared, initial_state=initial_state, output_final_state=output_final_state,
+                          save_tape=save_tape, out=out, tape_form=tape_form, want_output=want_output)
+
+
+def segment_view(prepared: dict, segment: int) -> dict:
+    """`prepared` seen as a pack of its one segment `segment` (seg_chunks narrowed to it; every
+    other tensor shared): the walks and the transfer walk then run on that segment alone."""
+    t = dict(prepared)
+    t["seg_chunks"] = prepared["seg_chunks"][segment:segment + 2]
+    t["chain_lengths"] = prepared["chain_lengths"][segment:segment + 1]
+    return t
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
@@ -320,8 +363,9 @@ def chunk_kda(q, k, v, g, beta, *, cu_seqlens=None, scale=None, initial_state=No
 
 
 def chunk_kda_transfer(saved: dict):
-    """M = A_n ... A_1 of every segment of a forward run (kcp_transfer, split-bf16 products):
-    S_out = M S_in + B with B the segment's final state from a zero entering state. [N, H, 128, 128] fp32."""
+    """M = A_n ... A_1 of every segment of a forward run or chunk_kda_prepare's result (kcp_transfer,
+    split-bf16 products): S_out = M S_in + B with B the segment's final state from a zero entering
+    state. [N, H, 128, 128] fp32 (N = 1 on a segment_view)."""
     q = saved["q"]
     N, H = saved["seg_chunks"].numel() - 1, q.shape[2]
     t = {name: saved[name] for name in ("q", "chunks", "seg_chunks", "w", "kg", "gamma")}

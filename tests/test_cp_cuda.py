@@ -45,3 +45,19 @@ def test_forward_and_backward_match_reference():
     again = cuda.backward(ctx, do, dfin)  # the saved context is reusable (the op calls it twice)
     for x, y in zip(got, again):
         assert torch.equal(x, y)
+
+
+def test_summary_from_the_local_chunk_stage_is_bitwise_the_fragments():
+    """The op prepares the local chunk stage once and summarises segments from it: the same bits
+    as summarising each fragment on its own (chunks restart at segment starts)."""
+    lens, H = [130, 700, 65], 2
+    q, k, v, g, beta, cu, _ = make(lens, H, "rand", rng("cp-prepared"), False)
+    cu_local = cu.cpu().tolist()
+    be = CudaBackend()
+    prepared = be.prepare(q, k, v, g, beta, cu_local, 128 ** -0.5, keep=False)
+    for seg in range(len(lens)):
+        lo, hi = cu_local[seg], cu_local[seg + 1]
+        M1, B1 = be.summary(k, v, g, beta, lo, hi)
+        M2, B2 = be.summary_of(prepared, seg, need_b=True)
+        M3, B3 = be.summary_of(prepared, seg, need_b=False)
+        assert torch.equal(M1, M2) and torch.equal(B1, B2) and torch.equal(M1, M3) and B3 is None

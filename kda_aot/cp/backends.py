@@ -19,6 +19,11 @@ states:
     state_grads(ctx, do, dfinals)             -> dstates [n, H, K, V], state_dtype (optional)
         backward's dstates alone, bitwise the same; what the op needs before the exchange (with
         dS_out = 0). A backend without it gets backward(...)[5].
+    prepare(q, k, v, g, beta, cu_local, scale, keep) -> prepared                     (optional)
+        the part of forward that needs no entering state, run before the summaries and the
+        exchange so that it overlaps the wait; then summary_of(prepared, segment, need_b) ->
+        (M, B or None) replaces summary for local segments, and forward(..., prepared=prepared)
+        runs only the rest. All bitwise the same as without it.
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
 the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
@@ -90,20 +95,35 @@ class CudaBackend:
         return "CudaBackend()"
 
     def summary(self, k, v, g, beta, lo: int, hi: int):
-        from ..kda import chunk_kda_fwd, chunk_kda_transfer
+        from ..kda import chunk_kda_prepare
         frag = [x[:, lo:hi] for x in (k, v, g, beta)]
         cu = torch.tensor([0, hi - lo], dtype=torch.int32)  # CPU boundaries: no host sync
         # the kernels take a q; the fragment's k stands in (no output is computed)
-        _, B, saved = chunk_kda_fwd(frag[0], *frag, cu_seqlens=cu, output_final_state=True, want_output=False)
-        return chunk_kda_transfer(saved)[0], B[0]
+        return self.summary_of(chunk_kda_prepare(frag[0], *frag, cu_seqlens=cu), 0, True)
+
+    def prepare(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool):
+        from ..kda import chunk_kda_prepare
+        cu = torch.tensor(list(cu_local), dtype=torch.int32)
+        return chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep)
+
+    def summary_of(self, prepared, segment: int, need_b: bool):
+        """(M, B) of one local segment from the prepared chunk stage: the same chunk-stage values
+        as a fragment prepared alone (chunks restart at segment starts), so the same bits."""
+        from ..kda import chunk_kda_transfer, chunk_kda_walk, segment_view
+        view = segment_view(prepared, segment)
+        B = None
+        if need_b:
+            _, B, _ = chunk_kda_walk(view, output_final_state=True, want_output=False)
+            B = B[0]
+        return chunk_kda_transfer(view)[0], B
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
-                scale: float, keep: bool):
-        from ..kda import chunk_kda_fwd
-        cu = torch.tensor(list(cu_local), dtype=torch.int32)
-        o, finals, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, scale=scale,
-                                         initial_state=states.to(torch.float32).contiguous(),
-                                         output_final_state=True, save_tape=keep)
+                scale: float, keep: bool, prepared=None):
+        from ..kda import chunk_kda_walk
+        if prepared is None:
+            prepared = self.prepare(q, k, v, g, beta, cu_local, scale, keep)
+        o, finals, saved = chunk_kda_walk(prepared, initial_state=states.to(torch.float32).contiguous(),
+                                          output_final_state=True, save_tape=keep)
         return o, finals, (saved if keep else None)
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):

@@ -110,6 +110,28 @@ def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
     return None
 
 
+def _prepare(backend, local, q, k, v, g, beta, plan: CPPlan, scale, keep):
+    """The backend's state-free part of the local forward, when it has one (else None)."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is None or not local:
+        return None
+    return prepare(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep)
+
+
+def _summary(backend, prepared, f, k, v, g, beta, need_b: bool):
+    """(M, B) of local fragment f (B may be None when not needed): bitwise the same either way."""
+    if prepared is not None:
+        return backend.summary_of(prepared, f.segment, need_b)
+    return backend.summary(k, v, g, beta, f.local_start, f.local_start + f.length)
+
+
+def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):
+    if prepared is not None:
+        return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep,
+                               prepared=prepared)
+    return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep)
+
+
 class _ChunkKdaCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final,
@@ -118,13 +140,16 @@ class _ChunkKdaCP(torch.autograd.Function):
         sd = backend.state_dtype
         local = plan.local_fragments
 
+        # 0. the local work that needs no entering state (a backend that can split it off), so
+        #    that it runs while this rank waits for the others' summaries.
+        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=(mode == "saved"))
         # 1. what the others wait for: (M, B) of middle fragments, exit states of first ones.
         items, M_local = {}, {}
         with _Phase("fwd summary walks", q.device):
             for f in local:
                 if f.is_last:
                     continue
-                M, B = backend.summary(k, v, g, beta, f.local_start, f.local_start + f.length)
+                M, B = _summary(backend, prepared, f, k, v, g, beta, need_b=True)
                 if f.needs_state:
                     items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
                     M_local[f.index] = M
@@ -145,8 +170,8 @@ class _ChunkKdaCP(torch.autograd.Function):
         if local:
             states = torch.stack(states)
             with _Phase("fwd local", q.device):
-                o, finals, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
-                                                  scale, keep=(mode == "saved"))
+                o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
+                                           keep=(mode == "saved"))
             if want_final:
                 for f in local:
                     if f.is_last:
@@ -185,13 +210,14 @@ class _ChunkKdaCP(torch.autograd.Function):
             if local:
                 # Replay: the same calls on the same values as the forward -> bitwise the same.
                 with _Phase("bwd replay", q.device):
-                    _, _, lctx = backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states,
-                                                 scale, keep=True)
+                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
+                    _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
+                                          keep=True)
                 with _Phase("bwd summary walks", q.device):
                     for f in local:
                         if f.needs_state and not f.is_last:
-                            M_local[f.index] = backend.summary(k, v, g, beta, f.local_start,
-                                                               f.local_start + f.length)[0]
+                            M_local[f.index] = _summary(backend, prepared, f, k, v, g, beta,
+                                                        need_b=False)[0]
         device = do.device
         # Exit-state gradients known locally: the final-state gradient of documents that end here.
         known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)

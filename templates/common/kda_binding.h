@@ -112,8 +112,10 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     expect_shape(it->second, sp.shape, sp.spelled);
     expect_contiguous(it->second);
     // beta and dbeta are read per element; every other tensor in 16-byte vectors
+    // (seg_chunks too: a view narrowed to one segment starts at any int32)
     const bool scalar = std::string(sp.name) == "beta" || std::string(sp.name) == "dbeta" ||
-                        std::string(sp.name) == "dbeta_v" || std::string(sp.name) == "dbeta_part";
+                        std::string(sp.name) == "dbeta_v" || std::string(sp.name) == "dbeta_part" ||
+                        std::string(sp.name) == "seg_chunks";
     expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
   }
