@@ -10,6 +10,7 @@ import sys
 import torch
 
 from .common import write_rows
+from .packs import PACKS
 
 
 def main(argv=None) -> int:
@@ -19,7 +20,7 @@ def main(argv=None) -> int:
         return cp.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m kda_aot.bench")
     p.add_argument("suite", choices=("conv", "single"))
-    p.add_argument("--pack", default="Q1")
+    p.add_argument("--pack", default="Q1", help="Q1[,Q2..] or all (Q1-Q6)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd or both")
@@ -35,7 +36,8 @@ def main(argv=None) -> int:
         rows = conv.run(pack=args.pack, iters=args.iters)
     else:
         from . import single
-        rows = single.run(packs=args.pack.split(","), H=args.heads, iters=args.iters,
+        packs = list(PACKS) if args.pack == "all" else args.pack.split(",")
+        rows = single.run(packs=packs, H=args.heads, iters=args.iters,
                           boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla,
                           walk_forms=tuple(args.walk_forms.split(",")))
     path = write_rows(rows, args.suite, args.out)

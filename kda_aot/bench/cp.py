@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     import argparse
     import json
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node W -m kda_aot.bench.cp")
-    p.add_argument("--pack", default=",".join(PACKS))
+    p.add_argument("--pack", default=",".join(PACKS), help="Q1[,Q2..] or all (the default: Q1-Q6)")
     p.add_argument("--heads", type=int, default=HEADS_DEFAULT)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     try:
-        rows = run(packs=args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
+        rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
                    walk_forms=tuple(args.walk_forms.split(",")))
         if dist.get_rank() == 0:
             for r in rows:
