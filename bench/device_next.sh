@@ -9,7 +9,7 @@ t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 KDA_AOT_TEST_RECORDS=1 python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 stamp build
 timeout 240 python3 -X faulthandler -m pytest -q -rs tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py \
-  tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py tests/test_conv_gpu.py "$@" 2>&1 \
+  tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py tests/test_conv_gpu.py tests/test_graph_gpu.py "$@" 2>&1 \
   | tee "$OUT/pytest.log" | grep -E "passed|failed|Error|assert" | tail -12; stamp tests
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 for tool in memcheck racecheck; do
