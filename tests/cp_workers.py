@@ -122,7 +122,8 @@ def _run_module(rank, case):
     x = case["inputs"]
     out = {}
     for mode in case["modes"]:
-        m = PackedKDA(case["H"], case["head_dim"], conv_bias=True, backward=mode)
+        m = PackedKDA(case["H"], case["head_dim"], conv_bias=True, backward=mode,
+                      backend=case.get("backend", "reference"))
         m.load_state_dict(case["state_dict"])
         m.to(x["q"].device)
         loc = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")]

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
 import test_cp_gloo as G  # noqa: E402
 from kda_aot import cp, reference  # noqa: E402
+from kda_aot.nn import PackedKDA  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 W, H, K = 2, 2, 128
@@ -56,11 +57,38 @@ def expected(pack):
     return {"o": o.detach(), "final": s.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
 
 
+@functools.lru_cache(maxsize=None)
+def module_case(pack):
+    """PackedKDA inputs (bf16 activations), weights, and the fp64 single-device reference module."""
+    gen = G.gen_for("cuda-cp-module", pack)
+    n, D = sum(PACKS[pack]), H * K
+    torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    ref = PackedKDA(H, K, conv_bias=True).double()
+    sd = {name: t.detach().float().clone() for name, t in ref.state_dict().items()}
+    x = {"q": torch.randn(1, n, D, generator=gen).to(torch.bfloat16),
+         "k": torch.randn(1, n, D, generator=gen).to(torch.bfloat16),
+         "v": torch.randn(1, n, D, generator=gen).to(torch.bfloat16),
+         "g": -torch.exp(torch.empty(1, n, H, K).uniform_(-5, 1.6, generator=gen)),
+         "beta": torch.rand(1, n, H, generator=gen).to(torch.bfloat16),
+         "wo": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16)}
+    leaves = {name: x[name].double().requires_grad_(True) for name in ("q", "k", "v", "g", "beta")}
+    o, _ = ref(*leaves.values(), cu_seqlens=G.cu_of(PACKS[pack]))
+    (o * x["wo"].double()).sum().backward()
+    want = {"o": o.detach(), **{"d" + name: t.grad for name, t in leaves.items()},
+            **{"d" + name: p.grad for name, p in ref.named_parameters()}}
+    return x, sd, want
+
+
 def results(name):
     if not _JOB:
         cases = [{"kind": "op", "backend": "cuda", "name": f"{lay}/{pack}", "layout": lay,
                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                   "modes": ["saved", "replay"]} for lay in cp.LAYOUTS for pack in PACKS]
+        for lay in cp.LAYOUTS:
+            x, sd, _ = module_case("spans")
+            cases.append({"kind": "module", "backend": "cuda", "name": f"module/{lay}/spans", "layout": lay,
+                          "cu": G.cu_of(PACKS["spans"]), "inputs": x, "state_dict": sd, "H": H, "head_dim": K,
+                          "modes": ["saved", "replay"]})
         with tempfile.TemporaryDirectory(prefix="kda_cp_nccl_cuda_") as d:
             per_rank = cp_workers.run_job(W, cases, d, 600, device="cuda")
         _JOB.update({n: [r.get(n, {"error": "missing"}) for r in per_rank] for n in per_rank[0]})
@@ -84,3 +112,24 @@ def test_cuda_backend_matches_reference(layout, pack):
         e = rel_rms(x, want[key])
         print(f"{layout} {pack} {key}: {e:.2e}")
         assert torch.isfinite(x).all() and e < REL, f"{key}: {e:.3e} ({layout} {pack}, seed {G.SEED})"
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_cuda_module_matches_fp64_single_device(layout):
+    """PackedKDA(backend="cuda") under CP2 (conv halo, L2 norm, CP KDA on the kernels): o and every
+    gradient (q, k, v, g, beta, conv weights and biases) vs the fp64 single-device module; same
+    bf16 budget (the conv output is rounded to bf16 once more, 2^-9)."""
+    res = results(f"module/{layout}/spans")
+    G.check_modes_bitwise(res, f"cuda module {layout}")
+    plan = cp.make_plan(G.cu_of(PACKS["spans"]), layout, world_size=W, rank=0)
+    _, _, want = module_case("spans")
+    loc = [r["saved"] for r in res]
+    for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        e = rel_rms(plan.unshard([x[key] for x in loc]), want[key])
+        print(f"module {layout} {key}: {e:.2e}")
+        assert e < REL, f"{key}: {e:.3e} ({layout}, seed {G.SEED})"
+    for key in want:
+        if key.endswith("_conv_weight") or key.endswith("_conv_bias"):
+            got = sum(r["saved"][key] for r in res)   # each rank's share of the parameter gradient
+            e = rel_rms(got, want[key])
+            assert e < REL, f"{key}: {e:.3e} ({layout}, seed {G.SEED})"
