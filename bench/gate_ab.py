@@ -1,6 +1,6 @@
 """A/B of the gated backward half: kda_bwd_gate default (one CTA per (chunk, head)), staged (its fp32
-inputs in shared memory) and split (two CTAs over 64 channels each), interleaved, on one pack; the
-rest of chunk_kda_bwd is the same in all."""
+inputs in shared memory), split (two CTAs over 64 channels each) and split_staged, interleaved, on
+one pack; the rest of chunk_kda_bwd is the same in all."""
 import sys
 
 import torch
@@ -15,6 +15,6 @@ H = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 q, k, v, g, beta, cu = inputs(PACKS[pack], H)
 _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
 do = torch.randn_like(q)
-ms = interleaved({form: (lambda f=form: chunk_kda_bwd(saved, do, gate_form=f)) for form in ("default", "staged", "split")},
+ms = interleaved({form: (lambda f=form: chunk_kda_bwd(saved, do, gate_form=f)) for form in ("default", "staged", "split", "split_staged")},
                  iters=7, warmup=1)
 print(f"{pack} H={H} chunk_kda_bwd: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))

@@ -24,6 +24,7 @@ try:  # the test-only forms, when built
     chunk_kda_bwd_walk(saved, do, dht, tape_form="split")
     chunk_kda_bwd(saved, do, dht, gate_form="split")
     chunk_kda_bwd(saved, do, dht, gate_form="staged")
+    chunk_kda_bwd(saved, do, dht, gate_form="split_staged")
     from kda_aot.norm import l2norm_backward, l2norm_forward
     y, rstd = l2norm_forward(q)
     l2norm_backward(q, rstd, do)

@@ -98,12 +98,19 @@ RECORDS: tuple[Record, ...] = (
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)"),
     Record(program="kda_bwd_gate", form="staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
            select="tests and benchmarks only until measured against `default` (bitwise equal to it): dQg, dRk, "
-                  "dKg copied to shared memory up front (225 KB: still one CTA per SM) instead of read in the loops",
+                  "dKg copied to shared memory up front (still one CTA per SM) instead of read in the loops",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
            shipped=False),
     Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False},
            select="tests and benchmarks only until measured against `default` (dq, dk, dg bitwise equal to it; "
                   "dbeta summed in another order): half the registers and shared memory, two CTAs per SM",
+           grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
+                "32 channels w / 4)",
+           shipped=False),
+    Record(program="kda_bwd_gate", form="split_staged",
+           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
+           select="tests and benchmarks only until measured: `split` with its bf16 inputs staged in shared memory "
+                  "(101 KB, still two CTAs per SM); bitwise equal to `split`",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)",
            shipped=False),

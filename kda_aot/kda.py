@@ -162,8 +162,8 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
 
 def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
-    with save_tape=True and the backward walk's dtape: returns a dict of dv (bf16) and the fp32
-    intermediates drk, dqg, dkg, dbeta_v, dgam_s and the bf16 daqk, dakk (see templates/common/kda.h)."""
+    with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
+    drk, dqg, dkg, daqk, dakk (bf16) and dbeta_v, dgam_s (fp32) (see templates/common/kda.h)."""
     q = saved["q"]
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
@@ -174,8 +174,8 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
     t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
-             drk=torch.empty(1, T, H, HEAD_DIM, **f32), dqg=torch.empty(1, T, H, HEAD_DIM, **f32),
-             dkg=torch.empty(1, T, H, HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
+             drk=torch.empty(1, T, H, HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, HEAD_DIM, **bf16),
+             dkg=torch.empty(1, T, H, HEAD_DIM, **bf16), daqk=torch.empty(1, T, H, CHUNK, **bf16),
              dakk=torch.empty(1, T, H, CHUNK, **bf16), dbeta_v=torch.empty(1, T, H, **f32),
              dgam_s=torch.empty(C, H, HEAD_DIM, **f32))
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
@@ -183,7 +183,7 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-GATE_FORMS = ("default", "staged", "split")
+GATE_FORMS = ("default", "staged", "split", "split_staged")
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None):
@@ -192,7 +192,7 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
-    gate_form: default | staged | split (kda_bwd_gate's forms; default: KDA_AOT_GATE_FORM, else default)."""
+    gate_form: one of GATE_FORMS, kda_bwd_gate's forms (default: KDA_AOT_GATE_FORM, else default)."""
     gate_form = gate_form or os.environ.get("KDA_AOT_GATE_FORM", "default")
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate_form: expected one of {GATE_FORMS}, got {gate_form!r}")
@@ -210,22 +210,24 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
     t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]))
     T, H = q.shape[1], q.shape[2]
-    if gate_form == "split":  # each channel half writes its dbeta partial; summed here in a fixed order
+    split = gate_form.startswith("split")
+    if split:  # each channel half writes its dbeta partial; summed here in a fixed order
         t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
     else:
         t["dbeta"] = torch.empty(1, T, H, device=q.device, dtype=torch.float32)
     desc = {name: describe(x, name) for name, x in t.items()}
     registry.library("kda_bwd_gate", gate_form).launch(desc, saved["scale"], stream_of(q))
-    dbeta = t["dbeta"] if gate_form != "split" else (t["dbeta_part"][0] + t["dbeta_part"][1]) + parts["dbeta_v"][0]
+    dbeta = t["dbeta"] if not split else (t["dbeta_part"][0] + t["dbeta_part"][1]) + parts["dbeta_v"][0]
     return t["dq"], t["dk"], parts["dv"], t["dg"], dbeta.view(1, T, H), dh0
 
 
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
     replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
-    token), its fp32 outputs (2,308 B a token), a head group's input copies (q, k, v, dO, g, beta:
-    1,538 B a token), and the two fp32 state tapes (128 KiB a chunk)."""
-    return T * (1280 + 2308 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
+    token), its outputs (dv, dRk, dQg, dKg, dAqk, dAkk in bf16, dbeta_v: 1,284 B a token), a head
+    group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
+    (128 KiB a chunk)."""
+    return T * (1280 + 1284 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:

@@ -160,11 +160,12 @@ def test_replay_keeps_no_per_chunk_tensors():
     assert kept <= o.numel() * o.element_size() + ht.numel() * ht.element_size() + (1 << 20), kept
 
 
-@pytest.mark.parametrize("form", ["staged", "split"])
+@pytest.mark.parametrize("form", ["staged", "split", "split_staged"])
 def test_gate_forms_match_default(form):
-    """kda_bwd_gate/staged (fp32 inputs staged in shared memory) is bitwise equal to the default form;
+    """kda_bwd_gate/staged (inputs staged in shared memory) is bitwise equal to the default form;
     /split (two CTAs over 64 channels): dq, dk, dg bitwise equal (every element: the same operands in
-    the same mma chain), dbeta sums its channel partials in another order: equal to fp32 rounding."""
+    the same mma chain), dbeta sums its channel partials in another order: equal to fp32 rounding;
+    /split_staged is bitwise equal to /split."""
     from kda_aot import registry
     try:
         registry.library("kda_bwd_gate", form)
@@ -183,6 +184,10 @@ def test_gate_forms_match_default(form):
         assert torch.equal(a[4], b[4])
     else:
         assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
+    if form == "split_staged":
+        c = chunk_kda_bwd(saved, dout, gate_form="split")
+        for x, y in zip(b, c):
+            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))

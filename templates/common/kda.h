@@ -66,9 +66,9 @@ struct KdaBwdArgs {
   const float* tape;             // [n_chunks, H, 128, 128] fp32 state at each chunk start
   // kda_bwd_chunk outputs (the plain products of the chunk-parallel backward)
   uint16_t* dv;                  // [T, H, 128] bf16  beta * dRv
-  float* drk;                    // [T, H, 128] fp32  dRk = (I + L)^-T dW,  dW = -dV' S^T
-  float* dqg;                    // [T, H, 128] fp32  scale dO S^T
-  float* dkg;                    // [T, H, 128] fp32  V' dS_end^T
+  uint16_t* drk;                 // [T, H, 128] bf16  dRk = (I + L)^-T dW,  dW = -dV' S^T
+  uint16_t* dqg;                 // [T, H, 128] bf16  scale dO S^T
+  uint16_t* dkg;                 // [T, H, 128] bf16  V' dS_end^T
   uint16_t* daqk;                // [T, H, 64]  bf16  scale tril(dO V'^T)   (bf16: the gated products' operand,
   uint16_t* dakk;                // [T, H, 64]  bf16  -tril_strict(dRk W^T + dRv U^T)  rounded once, here)
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv

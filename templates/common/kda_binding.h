@@ -90,9 +90,9 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dinitial_state", kFloat32, state, "[N, H, 128, 128]"},
       {"akk_inv", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dv", kBFloat16, tok, "[1, T, H, 128]"},
-      {"drk", kFloat32, tok, "[1, T, H, 128]"},
-      {"dqg", kFloat32, tok, "[1, T, H, 128]"},
-      {"dkg", kFloat32, tok, "[1, T, H, 128]"},
+      {"drk", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dqg", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dkg", kBFloat16, tok, "[1, T, H, 128]"},
       {"daqk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dakk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dbeta_v", kFloat32, {1, T, H}, "[1, T, H]"},
@@ -189,9 +189,9 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.beta = reinterpret_cast<const uint16_t*>(k.ptr("beta"));
   a.tape = reinterpret_cast<const float*>(k.ptr("tape"));
   a.dv = reinterpret_cast<uint16_t*>(k.ptr("dv"));
-  a.drk = reinterpret_cast<float*>(k.ptr("drk"));
-  a.dqg = reinterpret_cast<float*>(k.ptr("dqg"));
-  a.dkg = reinterpret_cast<float*>(k.ptr("dkg"));
+  a.drk = reinterpret_cast<uint16_t*>(k.ptr("drk"));
+  a.dqg = reinterpret_cast<uint16_t*>(k.ptr("dqg"));
+  a.dkg = reinterpret_cast<uint16_t*>(k.ptr("dkg"));
   a.daqk = reinterpret_cast<uint16_t*>(k.ptr("daqk"));
   a.dakk = reinterpret_cast<uint16_t*>(k.ptr("dakk"));
   a.dbeta_v = reinterpret_cast<float*>(k.ptr("dbeta_v"));
