@@ -1,10 +1,12 @@
-"""Single-device chunked KDA on packed documents (DESIGN.md §2): the forward kernels.
+"""Single-device chunked KDA on packed documents (DESIGN.md §2): the kernel calls and `chunk_kda`.
 
 Shapes follow flash-linear-attention's `chunk_kda`: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128]
 fp32 (log decay per channel), beta [1, T, H] bf16, cu_seqlens [N + 1], initial/final state
 [N, H, 128, 128] fp32. The forward runs two programs: kda_fwd_chunk (chunk-parallel W, U, Aqk,
 ...) and kda_fwd_tape (the sequential state walk with the output stage fused; it also writes the
-fp32 state at every chunk start and V' when the saved-context backward needs them).
+fp32 state at every chunk start and V' when the saved-context backward needs them). The backward
+runs kda_bwd_tape (the state-gradient walk), kda_bwd_chunk (plain products) and kda_bwd_gate
+(gated products); `chunk_kda` is the autograd op over both, in saved or replay mode.
 """
 from __future__ import annotations
 
@@ -87,8 +89,6 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     q = prepared["q"]
     T, H = q.shape[1], q.shape[2]
     N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128], got {list(initial_state.shape)}")
     if save_tape and prepared.get("akk_inv") is None:
         raise ValueError("save_tape: prepare the chunk stage with save_tape=True too (the backward reads (I + L)^-1)")
     out = dict(out or {})

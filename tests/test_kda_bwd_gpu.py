@@ -120,7 +120,7 @@ def _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, mode):
     return [x.grad for x in leaves]
 
 
-def test_saved_and_replay_gradients_are_bitwise_equal_and_right():
+def test_saved_and_replay_gradients_are_bitwise_equal_and_right(monkeypatch):
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("modes"), True)
     T, N = q.shape[1], len(lens)
@@ -132,12 +132,8 @@ def test_saved_and_replay_gradients_are_bitwise_equal_and_right():
     for a, b, c in zip(saved, replay, again):
         assert torch.equal(a, b) and torch.equal(b, c)
     # the replay backward a head at a time (what H = 64 on a long pack does) is bitwise the same
-    import os
-    os.environ["KDA_AOT_BWD_HEADS"] = "1"
-    try:
-        grouped = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
-    finally:
-        del os.environ["KDA_AOT_BWD_HEADS"]
+    monkeypatch.setenv("KDA_AOT_BWD_HEADS", "1")
+    grouped = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
     for a, b in zip(replay, grouped):
         assert torch.equal(a, b)
     cpu = [x.cpu() for x in (q, k, v, g, beta)]

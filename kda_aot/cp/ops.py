@@ -126,10 +126,9 @@ def _summary(backend, prepared, f, k, v, g, beta, need_b: bool):
 
 
 def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):
-    if prepared is not None:
-        return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep,
-                               prepared=prepared)
-    return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep)
+    """The local forward with entering states (the rest of it when `prepared`)."""
+    extra = {} if prepared is None else {"prepared": prepared}
+    return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep, **extra)
 
 
 class _ChunkKdaCP(torch.autograd.Function):
