@@ -6,8 +6,8 @@ source "$(dirname "$0")/device_env.sh"
 KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
   python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 for k in ${@:-kda_fwd_chunk kda_fwd_tape kda_bwd_tape kda_bwd_chunk kda_bwd_gate}; do
-  for gate in default staged split split_staged; do
-    [ "$k" != kda_bwd_gate ] && [ $gate != default ] && continue
+  for gate in split_staged full; do
+    [ "$k" != kda_bwd_gate ] && [ $gate != split_staged ] && continue
     KDA_AOT_GATE_FORM=$gate PYTHONPATH=$PWD timeout 120 ncu --clock-control none -k regex:"$k\\b" -c 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       --section LaunchStats python3 bench/profile_kda.py Q1 4 > "$OUT/ncu_${k}_$gate.txt" 2>&1

@@ -93,24 +93,27 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_bwd_chunk", form="default", params={"threads": 256},
            select="always (the plain-product half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
-    Record(program="kda_bwd_gate", form="default", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},
-           select="always (the gated half of the chunk-parallel backward)",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)"),
-    Record(program="kda_bwd_gate", form="staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
-           select="tests and benchmarks only until measured against `default` (bitwise equal to it): dQg, dRk, "
-                  "dKg copied to shared memory up front (still one CTA per SM) instead of read in the loops",
+    # The gated half: four forms from one template, measured against each other (bench/gate_ab.py,
+    # 2026-11-30, Q1 H = 32, whole chunk_kda_bwd: full 64.2 ms, full_staged 63.5, split 50.4,
+    # split_staged 45.6): two CTAs per SM with the bf16 inputs in shared memory ship.
+    Record(program="kda_bwd_gate", form="split_staged",
+           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
+           select="always (the gated half of the chunk-parallel backward): two CTAs per (chunk, head) over 64 "
+                  "channels each, two resident per SM, dQg/dRk/dKg staged in shared memory (101 KB)",
+           grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
+                "32 channels w / 4)"),
+    Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},
+           select="tests and benchmarks only: one CTA per (chunk, head) over all 128 channels (255 registers, "
+                  "one per SM); dq, dk, dg bitwise equal to split_staged, dbeta summed in another order",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
+           shipped=False),
+    Record(program="kda_bwd_gate", form="full_staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
+           select="tests and benchmarks only: `full` with dQg, dRk, dKg staged in shared memory; bitwise equal to `full`",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
            shipped=False),
     Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False},
-           select="tests and benchmarks only until measured against `default` (dq, dk, dg bitwise equal to it; "
-                  "dbeta summed in another order): half the registers and shared memory, two CTAs per SM",
-           grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
-                "32 channels w / 4)",
-           shipped=False),
-    Record(program="kda_bwd_gate", form="split_staged",
-           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
-           select="tests and benchmarks only until measured: `split` with its bf16 inputs staged in shared memory "
-                  "(101 KB, still two CTAs per SM); bitwise equal to `split`",
+           select="tests and benchmarks only: `split_staged` reading its bf16 inputs from global memory in the "
+                  "elementwise phases; bitwise equal to it",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)",
            shipped=False),
@@ -119,13 +122,11 @@ RECORDS: tuple[Record, ...] = (
            grid="(N segments, H) CTAs of 256 threads; one CTA composes a segment's chunk maps"),
     # Per-head L2 norm of q and k (PackedKDA's qk_l2norm): bandwidth-bound rows of 128 bf16.
     Record(program="l2norm_fwd", form="default", params={"threads": 256, "rows_per_group": 4},
-           select="tests only until verified on the GPU (then: always)",
-           grid="min(ceil(rows / 4 / 16), 2^20) CTAs of 256 threads; 16 lanes per row, grid-stride",
-           shipped=False),
+           select="always (PackedKDA's qk_l2norm and chunk_kda's use_qk_l2norm_in_kernel on the GPU)",
+           grid="min(ceil(rows / 4 / 16), 2^20) CTAs of 256 threads; 16 lanes per row, grid-stride",),
     Record(program="l2norm_bwd", form="default", params={"threads": 256, "rows_per_group": 2},
-           select="tests only until verified on the GPU (then: always)",
-           grid="min(ceil(rows / 2 / 16), 2^20) CTAs of 256 threads; 16 lanes per row, grid-stride",
-           shipped=False),
+           select="always (PackedKDA's qk_l2norm and chunk_kda's use_qk_l2norm_in_kernel on the GPU)",
+           grid="min(ceil(rows / 2 / 16), 2^20) CTAs of 256 threads; 16 lanes per row, grid-stride",),
     Record(program=_BWD, form="short_tiles",
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 3, "min_blocks": 1,
                    "reduce_threads": 128},

@@ -17,7 +17,7 @@ import torch
 
 from . import fit, registry
 from ._tensor import describe, stream_of
-from .norm import l2norm_torch
+from .norm import l2norm
 from .packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
@@ -183,7 +183,9 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-GATE_FORMS = ("default", "staged", "split", "split_staged")
+# kda_bwd_gate's forms (codegen/catalog.py); split_staged ships, the others are for tests and A/B runs.
+GATE_FORMS = ("split_staged", "full", "full_staged", "split")
+GATE_FORM_SHIPPED = "split_staged"
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None):
@@ -192,8 +194,8 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
-    gate_form: one of GATE_FORMS, kda_bwd_gate's forms (default: KDA_AOT_GATE_FORM, else default)."""
-    gate_form = gate_form or os.environ.get("KDA_AOT_GATE_FORM", "default")
+    gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged)."""
+    gate_form = gate_form or os.environ.get("KDA_AOT_GATE_FORM", GATE_FORM_SHIPPED)
     if gate_form not in GATE_FORMS:
         raise ValueError(f"gate_form: expected one of {GATE_FORMS}, got {gate_form!r}")
     dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
@@ -359,7 +361,7 @@ def chunk_kda(q, k, v, g, beta, *, cu_seqlens=None, scale=None, initial_state=No
     elif B != 1:
         raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm_torch(q), l2norm_torch(k)
+        q, k = l2norm(q), l2norm(k)
     o, final = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)
     return o.reshape(B, T, *o.shape[2:]), final
 

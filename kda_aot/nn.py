@@ -21,7 +21,7 @@ from .cp.halo import conv1d_silu_cp
 from .cp.backends import ReferenceBackend
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp
 from .cp.plan import CPPlan
-from .norm import l2norm_torch
+from .norm import WIDTH, l2norm, l2norm_torch
 
 __all__ = ["PackedKDA"]
 
@@ -121,10 +121,9 @@ class PackedKDA(nn.Module):
                 y = conv1d_silu_cp(x, w, b, plan=plan, group=group, conv=conv)
             out.append(y.reshape(1, T, H, Dh))
         qc, kc, vc = out
-        # kda_aot.norm (one fused pass each way) replaces this on the CUDA backend once its
-        # records have passed their GPU tests (bench/NOTES.md: ~60 ms of PyTorch passes on Q1)
-        if self.qk_l2norm:
-            qc, kc = l2norm_torch(qc), l2norm_torch(kc)
+        if self.qk_l2norm:  # the CUDA backend's fused pass (PyTorch's took ~60 ms of B3 on Q1)
+            norm = l2norm if self.backend == "cuda" and Dh == WIDTH else l2norm_torch
+            qc, kc = norm(qc), norm(kc)
         return qc, kc, vc
 
     def forward(self, q, k, v, g, beta, *, cu_seqlens=None, plan: Optional[CPPlan] = None,
