@@ -226,7 +226,7 @@ def test_batched_input_and_qk_l2norm_follow_fla_conventions():
     """Without cu_seqlens, [B, T, H, 128] is B documents of T tokens (bitwise the packed run);
     use_qk_l2norm_in_kernel normalises q and k first, differentiably."""
     from kda_aot import chunk_kda
-    from kda_aot.norm import l2norm_torch
+    from kda_aot.norm import l2norm  # the fused kernel pair, as chunk_kda uses
     B, T, H = 3, 100, 2
     q, k, v, g, beta, cu, h0 = make([T] * B, H, "rand", rng("batched"), True)
     raw = [x.clone() for x in (q, k)]
@@ -236,7 +236,7 @@ def test_batched_input_and_qk_l2norm_follow_fla_conventions():
     o_b, s_b = chunk_kda(*(x.reshape(B, T, *x.shape[2:]) for x in a), initial_state=h0, output_final_state=True,
                          use_qk_l2norm_in_kernel=True)
     b = leaves([raw[0], raw[1], v, g, beta])
-    o_p, s_p = chunk_kda(l2norm_torch(b[0]), l2norm_torch(b[1]), *b[2:], cu_seqlens=cu.cpu(), initial_state=h0,
+    o_p, s_p = chunk_kda(l2norm(b[0]), l2norm(b[1]), *b[2:], cu_seqlens=cu.cpu(), initial_state=h0,
                          output_final_state=True)
     assert o_b.shape == (B, T, H, 128)
     assert torch.equal(o_b.reshape(o_p.shape), o_p) and torch.equal(s_b, s_p)

@@ -34,15 +34,19 @@ def main(argv=None) -> int:
     if args.suite == "conv":
         from . import conv
         rows = conv.run(pack=args.pack, iters=args.iters)
+        path = write_rows(rows, args.suite, args.out)
+        for r in rows:
+            print(json.dumps(r, sort_keys=True))
     else:
         from . import single
         packs = list(PACKS) if args.pack == "all" else args.pack.split(",")
-        rows = single.run(packs=packs, H=args.heads, iters=args.iters,
-                          boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla,
-                          walk_forms=tuple(args.walk_forms.split(",")))
-    path = write_rows(rows, args.suite, args.out)
-    for r in rows:
-        print(json.dumps(r, sort_keys=True))
+        for pack in packs:  # rows written pack by pack: a run cut short keeps what it measured
+            rows = single.run(packs=(pack,), H=args.heads, iters=args.iters,
+                              boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla,
+                              walk_forms=tuple(args.walk_forms.split(",")))
+            path = write_rows(rows, args.suite, args.out)
+            for r in rows:
+                print(json.dumps(r, sort_keys=True), flush=True)
     print(f"rows written to {path}")
     return 0
 

@@ -65,7 +65,8 @@ def fla_kda():
     return build_cp_context, chunk_kda
 
 
-def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",)) -> list[dict]:
+def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",),
+        layouts=LAYOUTS) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
@@ -81,7 +82,7 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
         xs = [torch.randn(1, T, D, device=dev, generator=gen).to(torch.bfloat16) for _ in range(3)]
         g = -5 * torch.rand(1, T, H, HEAD_DIM, device=dev, generator=gen)
         beta = torch.rand(1, T, H, device=dev, generator=gen).to(torch.bfloat16)
-        for layout in LAYOUTS:
+        for layout in layouts:
             plan = cp.make_plan(cu, layout, group=dist.group.WORLD)
             q, k, v = (plan.shard(x).contiguous() for x in xs)
             gl, bl = plan.shard(g).contiguous(), plan.shard(beta).contiguous()
@@ -121,17 +122,19 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                 for key, fn in arms.items():
                     times[key].append(slowest_rank_ms(fn, 1, warmup=0 if times[key] else 2))
             phases = _phases_by_rank(b3, iters=3)
+            new = []
             for (arm, boundary), ts in times.items():
                 extra = {"phases_ms_by_rank": phases} if (arm, boundary) == ("kda_aot", "B3") else {}
                 form = (arm.partition("@")[2] or "auto") if arm.startswith("kda_aot") else None
-                rows.append(row("cp", pack=pack, heads=H, cp=world, layout=layout, boundary=boundary,
-                                mode="replay", arm=arm, walk_form=form, ms=round(statistics.median(ts), 3),
-                                **extra))
+                new.append(row("cp", pack=pack, heads=H, cp=world, layout=layout, boundary=boundary,
+                               mode="replay", arm=arm, walk_form=form, ms=round(statistics.median(ts), 3),
+                               **extra))
+            if rank == 0:  # written layout by layout: a run cut short keeps what it measured
+                write_rows(new, f"cp{world}", out_dir)
+            rows += new
             del q, k, v, gl, bl, do, leaves
         del xs, g, beta
         torch.cuda.empty_cache()
-    if rank == 0:
-        write_rows(rows, f"cp{world}", out_dir)
     return rows
 
 
@@ -144,12 +147,16 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--walk-forms", default="auto", help="fit-rule knob per kda_aot arm, e.g. auto,full")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
     args = p.parse_args(argv)
+    layouts = tuple(args.layouts.split(","))
+    if set(layouts) - set(LAYOUTS):
+        p.error(f"--layouts: expected a subset of {LAYOUTS}, got {args.layouts}")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
-                   walk_forms=tuple(args.walk_forms.split(",")))
+                   walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))
