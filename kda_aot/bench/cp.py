@@ -152,6 +152,9 @@ def main(argv=None) -> int:
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
         p.error(f"--layouts: expected a subset of {LAYOUTS}, got {args.layouts}")
+    if os.environ.get("KDA_AOT_DUMP_AFTER"):  # a stuck run prints every rank's Python stack, then exits
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["KDA_AOT_DUMP_AFTER"]), exit=True)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     try:
