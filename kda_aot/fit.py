@@ -7,6 +7,11 @@ CTAs per SM. A split step costs `rho` of a full step when two split CTAs share a
 scheduler spreads them, each has its SM to itself). List-schedule the chains longest first on the
 slots of each form and take the form with the shorter predicted makespan (ties keep `full`).
 
+A launch may also mix the forms: the k longest documents split (each split CTA alone on its SM,
+`rho_alone`), the others full on the SMs left over. The walk then runs as one launch per run of
+consecutive segments of one form, each on its own stream so that they overlap (at most MAX_RUNS).
+Every chain computes the same values in either form, so any plan gives bitwise the same result.
+
 Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json);
 while a program has no measurement, `auto` keeps `full` and says so in the log. Decisions are
 cached per (program, chain lengths, H, SM count, knob); every launch can be logged as
@@ -57,24 +62,63 @@ def measured_rho() -> dict:
     return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"]))) for p, v in progs.items()}
 
 
+MAX_RUNS = 4  # launches of one walk (one stream each); more would not overlap usefully
+
+
+def runs_of(forms: list) -> tuple:
+    """((form, first segment, end segment), ...): maximal runs of consecutive segments of one form."""
+    runs = []
+    for s, form in enumerate(forms):
+        if runs and runs[-1][0] == form:
+            runs[-1][2] = s + 1
+        else:
+            runs.append([form, s, s + 1])
+    return tuple(tuple(r) for r in runs)
+
+
+def mixed_makespan(chain_lengths: tuple, heads: int, sm_count: int, split: set, rho_alone: float):
+    """Predicted makespan with the segments in `split` split (each split CTA alone on its SM) and the
+    rest full on the SMs left over; None when they do not fit so (no SM left for the full chains)."""
+    free = sm_count - 2 * len(split) * heads
+    full = [float(n) for s, n in enumerate(chain_lengths) if s not in split for _ in range(heads)]
+    if free <= 0 or not split:
+        return None
+    return max(rho_alone * max(chain_lengths[s] for s in split), makespan(full, free))
+
+
 @functools.lru_cache(maxsize=4096)
-def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob: str) -> str:
+def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob: str) -> tuple:
+    n = len(chain_lengths)
     if knob in FORMS:
-        return knob
+        return ((knob, 0, n),)
     rhos = measured_rho().get(program)
     if rhos is None:
         log.info("%s: rho not measured on this GPU yet (bench/measure_rho.py); keeping the full form", program)
-        return "full"
+        return (("full", 0, n),)
     spans = predicted(chain_lengths, heads, sm_count, *rhos)
-    return "split" if spans["split"] < spans["full"] else "full"
+    best_span, best = spans["full"], (("full", 0, n),)
+    if spans["split"] < best_span:
+        best_span, best = spans["split"], (("split", 0, n),)
+    longest_first = sorted(range(n), key=lambda s: -chain_lengths[s])
+    for k in range(1, n):  # split the k longest documents, the others full
+        chosen = set(longest_first[:k])
+        span = mixed_makespan(chain_lengths, heads, sm_count, chosen, rhos[1])
+        if span is None:
+            break
+        runs = runs_of(["split" if s in chosen else "full" for s in range(n)])
+        if len(runs) <= MAX_RUNS and span < best_span:
+            best_span, best = span, runs
+    return best
 
 
-def choose_form(program: str, chain_lengths, heads: int, sm_count: int, knob: str | None = None) -> str:
-    """The form to launch. knob: auto | full | split (default: env KDA_AOT_WALK_FORM, else auto)."""
+def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, knob: str | None = None) -> tuple:
+    """The launches of one walk: ((form, first segment, end segment), ...) covering every segment in
+    order. knob: auto | full | split (default: env KDA_AOT_WALK_FORM, else auto)."""
     knob = knob or os.environ.get("KDA_AOT_WALK_FORM", "auto")
     if knob not in KNOBS:
         raise ValueError(f"walk_form: expected one of {KNOBS}, got {knob!r}")
-    form = _decide(program, tuple(int(n) for n in chain_lengths), int(heads), int(sm_count), knob)
+    plan = _decide(program, tuple(int(n) for n in chain_lengths), int(heads), int(sm_count), knob)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("launch %s form=%s chains=%d", program, form, len(chain_lengths) * heads)
-    return form
+        log.debug("launch %s %s chains=%d", program,
+                  " ".join(f"{form}[{a}:{b}]" for form, a, b in plan), len(chain_lengths) * heads)
+    return plan

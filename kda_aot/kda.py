@@ -55,6 +55,45 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_streams(device: torch.device, n: int) -> list:
+    """n streams of `device` kept for the walks' concurrent launches (created once)."""
+    have = _SIDE_STREAMS.setdefault(device, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device))
+    return have[:n]
+
+
+# Descriptor entries with one row per segment: a launch over segments [a, b) gets rows [a, b).
+_PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state")
+
+
+def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob) -> tuple:
+    """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
+    one launch per run of segments of one form; several runs go on side streams that fork from and
+    join the current stream, so they overlap. Returns the plan."""
+    plan = fit.plan_walk(program, chain_lengths, H, _sm_count(device), knob)
+    tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
+    if len(plan) == 1:
+        desc = {name: describe(x, name) for name, x in tensors.items()}
+        registry.library(program, plan[0][0]).launch(desc, scale, stream_of(tensors["seg_chunks"]))
+        return plan
+    main = torch.cuda.current_stream(device)
+    streams = _side_streams(device, len(plan))
+    for st in streams:
+        st.wait_stream(main)
+    for (form, a, b), st in zip(plan, streams):
+        part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
+        part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
+        desc = {name: describe(x, name) for name, x in part.items()}
+        registry.library(program, form).launch(desc, scale, st.cuda_stream)
+    for st in streams:
+        main.wait_stream(st)
+    return plan
+
+
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
@@ -105,9 +144,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     })
     if not save_tape:
         t["akk_inv"] = None
-    desc = {name: describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
-    form = fit.choose_form("kda_fwd_tape", prepared["chain_lengths"], H, _sm_count(q.device), tape_form)
-    registry.library("kda_fwd_tape", form).launch(desc, t["scale"], stream_of(q))
+    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form)
     return t["o"], t["final_state"], t
 
 
@@ -154,9 +191,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
              dtape=out.get("dtape", torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)),
              dinitial_state=(out.get("dinitial_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                              if need_dinitial_state else None))
-    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
-    form = fit.choose_form("kda_bwd_tape", saved["chain_lengths"], H, _sm_count(q.device), tape_form)
-    registry.library("kda_bwd_tape", form).launch(desc, scale, stream_of(q))
+    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form)
     return t["dtape"], t["dinitial_state"]
 
 

@@ -37,25 +37,48 @@ def test_knob_and_unmeasured_rho(monkeypatch, caplog):
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {})
     with caplog.at_level(logging.INFO, logger="kda_aot.fit"):
-        assert fit.choose_form("kda_fwd_tape", (1585, 641), 32, 132, "auto") == "full"
+        assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
     assert "rho not measured" in caplog.text
-    assert fit.choose_form("kda_fwd_tape", (1585, 641), 32, 132, "split") == "split"
+    assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "split") == (("split", 0, 2),)
     monkeypatch.setenv("KDA_AOT_WALK_FORM", "split")
-    assert fit.choose_form("kda_fwd_tape", (3, 3), 1, 132) == "split"
+    assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132) == (("split", 0, 2),)
     with pytest.raises(ValueError, match="walk_form: expected one of"):
-        fit.choose_form("kda_fwd_tape", (3,), 1, 132, "half")
+        fit.plan_walk("kda_fwd_tape", (3,), 1, 132, "half")
 
 
 def test_measured_rho_decides_and_decisions_are_cached(monkeypatch):
     q1 = (1585, 641, 1216, 465)
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (0.55, 0.55)})
-    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "split"
+    assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("split", 0, 4),)
     hits = fit._decide.cache_info().hits
-    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "split"
+    assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("split", 0, 4),)
     assert fit._decide.cache_info().hits == hits + 1  # the second launch is a dictionary lookup
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.05, 0.6)})
-    assert fit.choose_form("kda_fwd_tape", q1, 32, 132, "auto") == "full"   # 128 chains share SMs
-    assert fit.choose_form("kda_fwd_tape", q1, 1, 132, "auto") == "split"   # 4 chains: alone
+    assert fit.plan_walk("kda_fwd_tape", q1, 1, 132, "auto") == (("split", 0, 4),)   # 4 chains: alone
+    fit._decide.cache_clear()
+
+
+def test_mixed_plans(monkeypatch):
+    """The k longest documents split, the rest full on the SMs left over, one launch per run."""
+    fit._decide.cache_clear()
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.15, 0.62)})
+    q1 = (1585, 641, 1216, 465)
+    # Q1 at 32 heads: the 1,585-chunk document split on 64 SMs (0.62 x 1585 = 983), the other 96
+    # chains full on the other 68 SMs (1216 + nothing: 32 SMs take the 1,216-chunk chains).
+    assert fit.mixed_makespan(q1, 32, 132, {0}, 0.62) == pytest.approx(1216.0)
+    assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("split", 0, 1), ("full", 1, 4))
+    # no SM left for the full chains: not a candidate
+    assert fit.mixed_makespan(q1, 33, 132, {0, 2}, 0.62) is None
+    # the longest in the middle: three runs
+    assert fit.plan_walk("kda_fwd_tape", (1025, 193, 1563, 487, 625, 205), 32, 132, "auto") == \
+        (("full", 0, 2), ("split", 2, 3), ("full", 3, 6))
+    # equal lengths, many chains: full (no idle SMs to win)
+    assert fit.plan_walk("kda_fwd_tape", (797, 797, 797, 813, 782), 32, 132, "auto") == (("full", 0, 5),)
+    # more runs than MAX_RUNS are never planned
+    alternating = tuple([1000, 10] * 6)
+    for plan in (fit.plan_walk("kda_fwd_tape", alternating, 4, 132, "auto"),):
+        assert len(plan) <= fit.MAX_RUNS
+    assert fit.runs_of(["full", "split", "split", "full"]) == (("full", 0, 1), ("split", 1, 3), ("full", 3, 4))
     fit._decide.cache_clear()

@@ -11,11 +11,17 @@ from test_kda_fwd_gpu import rng
 pytestmark = gpu
 
 
-@pytest.mark.parametrize("mode", ["replay", "saved"])
-def test_b3_step_captures_and_replays_bitwise(mode):
+@pytest.mark.parametrize("mode,plan", [("replay", None), ("saved", None),
+                                       ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)))],
+                         ids=["replay", "saved", "replay-mixed-walks"])
+def test_b3_step_captures_and_replays_bitwise(monkeypatch, mode, plan):
+    """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk."""
+    if plan is not None:
+        from kda_aot import fit
+        monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)
     H, lens = 4, [700, 1, 64, 300]
     T, D = sum(lens), H * 128
-    gen = rng(("graph", mode))
+    gen = rng(("graph", mode, plan))
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)          # on the CPU
     torch.manual_seed(7)
     m = PackedKDA(H, 128, conv_bias=True, backend="cuda", backward=mode).cuda()

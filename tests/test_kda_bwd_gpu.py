@@ -205,6 +205,31 @@ def test_bwd_walk_forms_are_bitwise_equal(chains, H):
     assert torch.equal(full[0], split[0]) and torch.equal(full[1], split[1])
 
 
+MIXED_PLANS = [(("split", 0, 1), ("full", 1, 3), ("split", 3, 5)), (("full", 0, 4), ("split", 4, 5))]
+
+
+@pytest.mark.parametrize("plan", MIXED_PLANS, ids=["split-full-split", "full-split"])
+def test_mixed_walk_plans_are_bitwise_the_uniform_walk(monkeypatch, plan):
+    """A plan mixing the forms (one launch per run of segments, each on its own stream, overlapping)
+    gives every output of both walks bitwise as one full-width launch: forward o, final state, tape,
+    V'; backward dtape, d(initial state)."""
+    from kda_aot import fit
+    lens, H = [1000, 64, 300, 65, 5], 3
+    q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("mixed", plan)), True)
+    dout = torch.randn(q.shape, device="cuda", generator=rng(("mixed-do", plan))).to(torch.bfloat16)
+    dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("mixed-dht", plan)))
+    ref = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                        save_tape=True, tape_form="full")
+    ref_b = chunk_kda_bwd_walk(ref[2], dout, dht, tape_form="full")
+    monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)
+    mix = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                        save_tape=True)
+    mix_b = chunk_kda_bwd_walk(mix[2], dout, dht)
+    assert torch.equal(ref[0], mix[0]) and torch.equal(ref[1], mix[1])
+    assert torch.equal(ref[2]["tape"], mix[2]["tape"]) and torch.equal(ref[2]["vnew"], mix[2]["vnew"])
+    assert torch.equal(ref_b[0], mix_b[0]) and torch.equal(ref_b[1], mix_b[1])
+
+
 def test_non_finite_inputs_give_non_finite_outputs_not_a_hang():
     lens, H = [100, 70], 2
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("nan"), True)
