@@ -63,6 +63,7 @@ def measured_rho() -> dict:
 
 
 MAX_RUNS = 4  # launches of one walk (one stream each); more would not overlap usefully
+MIXED_GAIN = 0.95  # a mixed plan (extra launches, a stream fork and join) must beat uniform by 5 %
 
 
 def runs_of(forms: list) -> tuple:
@@ -100,13 +101,14 @@ def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob:
     if spans["split"] < best_span:
         best_span, best = spans["split"], (("split", 0, n),)
     longest_first = sorted(range(n), key=lambda s: -chain_lengths[s])
+    uniform_span = best_span
     for k in range(1, n):  # split the k longest documents, the others full
         chosen = set(longest_first[:k])
         span = mixed_makespan(chain_lengths, heads, sm_count, chosen, rhos[1])
         if span is None:
             break
         runs = runs_of(["split" if s in chosen else "full" for s in range(n)])
-        if len(runs) <= MAX_RUNS and span < best_span:
+        if len(runs) <= MAX_RUNS and span < best_span and span < MIXED_GAIN * uniform_span:
             best_span, best = span, runs
     return best
 

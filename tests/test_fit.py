@@ -81,4 +81,9 @@ def test_mixed_plans(monkeypatch):
     for plan in (fit.plan_walk("kda_fwd_tape", alternating, 4, 132, "auto"),):
         assert len(plan) <= fit.MAX_RUNS
     assert fit.runs_of(["full", "split", "split", "full"]) == (("full", 0, 1), ("split", 1, 3), ("full", 3, 4))
+    # a mixed plan must beat the best uniform one by 5 % (its extra launches and stream fork/join):
+    # 1000 vs 960 steps (4 %) stays uniform, 1000 vs 900 (10 %) goes mixed
+    assert fit.mixed_makespan((1000, 960, 960), 32, 132, {0}, 0.62) == pytest.approx(960.0)
+    assert fit.plan_walk("kda_fwd_tape", (1000, 960, 960), 32, 132, "auto") == (("full", 0, 3),)
+    assert fit.plan_walk("kda_fwd_tape", (1000, 900, 900), 32, 132, "auto") == (("split", 0, 1), ("full", 1, 3))
     fit._decide.cache_clear()
