@@ -16,6 +16,7 @@ finish() {
   cp "$W"/*.jsonl "$W"/fit_params.json "$OUT"/ 2>/dev/null
   for f in "$W"/*/*.jsonl; do [ -f "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"; done
   tar czf "$OUT/logs.tgz" -C "$W" .
+  save_triton_cache
 }
 trap finish EXIT
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
