@@ -4,6 +4,10 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kda_out}
 mkdir -p "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Once per call: a nested script (ncu_kda.sh from device_check.sh) must not reinstall the wheels or
+# re-extract the cache under processes that are using them.
+if [ -n "${KDA_AOT_DEVICE_ENV:-}" ]; then return 0; fi
+export KDA_AOT_DEVICE_ENV=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site

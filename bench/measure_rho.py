@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -56,6 +57,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=256, help="chunks per chain")
     ap.add_argument("--table", action="store_true", help="also time chain counts 1, 2, 8, 64, 512 x H")
+    ap.add_argument("--out", default=None, help="write the JSON here instead of kda_aot/fit_params.json "
+                    "(a run beside others that read the committed file)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     heads = 2
@@ -73,8 +76,11 @@ def main():
                     "full_ms": round(shared[(p, "full")], 4), "split_ms": round(shared[(p, "split")], 4),
                     "full_alone_ms": round(alone[(p, "full")], 4), "split_alone_ms": round(alone[(p, "split")], 4)}
     doc = {"about": "step costs of the fit rule, measured by bench/measure_rho.py", "programs": progs}
-    fit.PARAMS_FILE.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    print(f"written {fit.PARAMS_FILE}")
+    path = Path(args.out) if args.out else fit.PARAMS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)  # atomic: a reader never sees a half-written file
+    print(f"written {path}")
     if args.table:  # issue 5: per-walk kernel times, full vs split, over chain counts and H
         print("| walk | chains | H | chunks per chain | full ms | split ms | full / split |")
         print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -3,8 +3,10 @@
 # speed of light, occupancy, warp stall reasons, memory. Leaves the clocks alone. Kernels: the
 # arguments (default: every forward and backward program, both gate forms). Reports: $NCU_DIR (default $OUT).
 source "$(dirname "$0")/device_env.sh"
-KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
-  python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything already
+  KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
+    python3 setup.py -q build_ext --inplace 2>&1 | tail -3
+fi
 for k in ${@:-kda_fwd_chunk kda_fwd_tape kda_bwd_tape kda_bwd_chunk kda_bwd_gate}; do
   for gate in split_staged full; do
     [ "$k" != kda_bwd_gate ] && [ $gate != split_staged ] && continue

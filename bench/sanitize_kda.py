@@ -20,6 +20,14 @@ for form in ("full", "split"):
                                 save_tape=True, tape_form=form)
 do, dht = torch.randn_like(q), torch.randn_like(h0)
 chunk_kda_bwd(saved, do, dht)
+# a mixed walk plan: one launch per run of segments, each on its own stream (sliced segment tables)
+from kda_aot import fit  # noqa: E402
+plan_walk = fit.plan_walk
+fit.plan_walk = lambda *args, **kw: (("split", 0, 1), ("full", 1, 3), ("split", 3, 5))
+_, _, mixed = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                            save_tape=True)
+chunk_kda_bwd(mixed, do, dht)
+fit.plan_walk = plan_walk
 from kda_aot.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)

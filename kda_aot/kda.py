@@ -59,10 +59,11 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_streams(device: torch.device, n: int) -> list:
-    """n streams of `device` kept for the walks' concurrent launches (created once)."""
+    """n streams of `device` for the walks' concurrent launches, taken once from PyTorch's
+    high-priority pool (the default-priority pool is the one NCCL and most users draw from)."""
     have = _SIDE_STREAMS.setdefault(device, [])
     while len(have) < n:
-        have.append(torch.cuda.Stream(device))
+        have.append(torch.cuda.Stream(device, priority=-1))
     return have[:n]
 
 
@@ -73,7 +74,8 @@ _PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state"
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob) -> tuple:
     """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
     one launch per run of segments of one form; several runs go on side streams that fork from and
-    join the current stream, so they overlap. Returns the plan."""
+    join the current stream, so they overlap. Split runs are launched first: the fit rule assumes
+    their CTAs get SMs of their own and the full runs take the SMs left over. Returns the plan."""
     plan = fit.plan_walk(program, chain_lengths, H, _sm_count(device), knob)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
@@ -84,13 +86,15 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     streams = _side_streams(device, len(plan))
     for st in streams:
         st.wait_stream(main)
-    for (form, a, b), st in zip(plan, streams):
-        part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
-        part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
-        desc = {name: describe(x, name) for name, x in part.items()}
-        registry.library(program, form).launch(desc, scale, st.cuda_stream)
-    for st in streams:
-        main.wait_stream(st)
+    try:
+        for (form, a, b), st in zip(sorted(plan, key=lambda run: run[0] != "split"), streams):
+            part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
+            part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
+            desc = {name: describe(x, name) for name, x in part.items()}
+            registry.library(program, form).launch(desc, scale, st.cuda_stream)
+    finally:  # joined even when a launch raises: queued runs may still read the caller's tensors
+        for st in streams:
+            main.wait_stream(st)
     return plan
 
 

@@ -76,10 +76,11 @@ def test_mixed_plans(monkeypatch):
         (("full", 0, 2), ("split", 2, 3), ("full", 3, 6))
     # equal lengths, many chains: full (no idle SMs to win)
     assert fit.plan_walk("kda_fwd_tape", (797, 797, 797, 813, 782), 32, 132, "auto") == (("full", 0, 5),)
-    # more runs than MAX_RUNS are never planned
+    # more runs than MAX_RUNS are never planned: splitting the six long documents of an alternating
+    # pack at 8 heads (96 split CTAs, 48 full chains on 36 SMs) would beat uniform full but takes 12 runs
     alternating = tuple([1000, 10] * 6)
-    for plan in (fit.plan_walk("kda_fwd_tape", alternating, 4, 132, "auto"),):
-        assert len(plan) <= fit.MAX_RUNS
+    assert fit.mixed_makespan(alternating, 8, 132, {0, 2, 4, 6, 8, 10}, 0.62) == pytest.approx(620.0)
+    assert fit.plan_walk("kda_fwd_tape", alternating, 8, 132, "auto") == (("full", 0, 12),)
     assert fit.runs_of(["full", "split", "split", "full"]) == (("full", 0, 1), ("split", 1, 3), ("full", 3, 4))
     # a mixed plan must beat the best uniform one by 5 % (its extra launches and stream fork/join):
     # 1000 vs 960 steps (4 %) stays uniform, 1000 vs 900 (10 %) goes mixed

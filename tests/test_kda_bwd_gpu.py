@@ -221,10 +221,13 @@ def test_mixed_walk_plans_are_bitwise_the_uniform_walk(monkeypatch, plan):
     ref = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                         save_tape=True, tape_form="full")
     ref_b = chunk_kda_bwd_walk(ref[2], dout, dht, tape_form="full")
-    monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)
+    calls = []
+    monkeypatch.setattr(fit, "plan_walk", lambda program, *args, **kw: calls.append(program) or plan)
+    nan = lambda x: torch.full_like(x, float("nan"))  # noqa: E731  (every output poisoned)
     mix = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                        save_tape=True)
-    mix_b = chunk_kda_bwd_walk(mix[2], dout, dht)
+                        save_tape=True, out={"o": nan(ref[0]), "final_state": nan(ref[1])})
+    mix_b = chunk_kda_bwd_walk(mix[2], dout, dht, out={"dtape": nan(ref_b[0]), "dinitial_state": nan(ref_b[1])})
+    assert calls == ["kda_fwd_tape", "kda_bwd_tape"]  # the plan was the one launched
     assert torch.equal(ref[0], mix[0]) and torch.equal(ref[1], mix[1])
     assert torch.equal(ref[2]["tape"], mix[2]["tape"]) and torch.equal(ref[2]["vnew"], mix[2]["vnew"])
     assert torch.equal(ref_b[0], mix_b[0]) and torch.equal(ref_b[1], mix_b[1])
