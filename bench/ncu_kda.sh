@@ -8,7 +8,7 @@ if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything alre
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 fi
 for k in ${@:-kda_fwd_chunk kda_fwd_tape kda_bwd_tape kda_bwd_chunk kda_bwd_gate}; do
-  for gate in split_staged full; do
+  for gate in split_staged split_horner; do
     [ "$k" != kda_bwd_gate ] && [ $gate != split_staged ] && continue
     KDA_AOT_GATE_FORM=$gate PYTHONPATH=$PWD timeout ${NCU_S:-120} ncu --clock-control none -k regex:"$k\\b" -c 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \

@@ -33,7 +33,7 @@ y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
 try:  # the test-only forms, when built
     chunk_kda_bwd_walk(saved, do, dht, tape_form="split")
-    for form in ("full", "full_staged", "split"):
+    for form in ("full", "full_staged", "split", "split_horner"):
         chunk_kda_bwd(saved, do, dht, gate_form=form)
 except registry.RecordError as e:
     print(f"sanitize_kda: skipped a test-only form ({e})")

@@ -99,23 +99,31 @@ RECORDS: tuple[Record, ...] = (
     # 2026-11-30, Q1 H = 32, whole chunk_kda_bwd: full 64.2 ms, full_staged 63.5, split 50.4,
     # split_staged 45.6): two CTAs per SM with the bf16 inputs in shared memory ship.
     Record(program="kda_bwd_gate", form="split_staged",
-           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
+           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True, "anchoring": "pair"},
            select="always (the gated half of the chunk-parallel backward): two CTAs per (chunk, head) over 64 "
                   "channels each, two resident per SM, dQg/dRk/dKg staged in shared memory (101 KB)",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)"),
-    Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},
+    Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False, "anchoring": "pair"},
            select="tests and benchmarks only: one CTA per (chunk, head) over all 128 channels (255 registers, "
                   "one per SM); dq, dk, dg bitwise equal to split_staged, dbeta summed in another order",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
            shipped=False),
-    Record(program="kda_bwd_gate", form="full_staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
+    Record(program="kda_bwd_gate", form="full_staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True, "anchoring": "pair"},
            select="tests and benchmarks only: `full` with dQg, dRk, dKg staged in shared memory; bitwise equal to `full`",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
            shipped=False),
-    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False},
+    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False, "anchoring": "pair"},
            select="tests and benchmarks only: `split_staged` reading its bf16 inputs from global memory in the "
                   "elementwise phases; bitwise equal to it",
+           grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
+                "32 channels w / 4)",
+           shipped=False),
+    Record(program="kda_bwd_gate", form="split_horner",
+           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False, "anchoring": "horner"},
+           select="tests and benchmarks only until measured against split_staged: the gated operands built "
+                  "once per CTA in shared memory, block decays carried on the accumulator (no exps per k-step); "
+                  "fp64 bounds, not bitwise (another rounding)",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)",
            shipped=False),

@@ -223,7 +223,7 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
 
 
 # kda_bwd_gate's forms (codegen/catalog.py); split_staged ships, the others are for tests and A/B runs.
-GATE_FORMS = ("split_staged", "full", "full_staged", "split")
+GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")
 GATE_FORM_SHIPPED = "split_staged"
 
 

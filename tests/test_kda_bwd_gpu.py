@@ -91,25 +91,46 @@ def test_chunk_stage_products_match_reference():
         assert torch.isfinite(got[name]).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"
 
 
-@pytest.mark.parametrize("pack", list(PACKS))
-@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
-@pytest.mark.parametrize("dfinal", [False, True])
-def test_all_gradients_match_reference(pack, gate, dfinal):
+def _gradients_against_reference(pack, gate, dfinal, gate_form=None):
     lens, H = PACKS[pack], 2
     q, k, v, g, beta, cu, h0 = make(lens, H, gate, rng(("grads", pack, gate, dfinal)), True)
     T, N = q.shape[1], len(lens)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
     dout = torch.randn(1, T, H, 128, device="cuda", generator=rng(("gdo", pack))).to(torch.bfloat16)
     dht = torch.randn(N, H, 128, 128, device="cuda", generator=rng(("gdht", pack))) if dfinal else None
-    got = chunk_kda_bwd(saved, dout, dht)
+    got = chunk_kda_bwd(saved, dout, dht, gate_form=gate_form)
+    if gate_form is not None:  # a test-only form: deterministic too
+        again = chunk_kda_bwd(saved, dout, dht, gate_form=gate_form)
+        assert all(torch.equal(x, y) for x, y in zip(got, again))
     cpu = [x.cpu() for x in (q, k, v, g, beta)]
     rs = reference.kda_chunked_fwd_saved(*cpu, cu_seqlens=cu.cpu(), initial_state=h0.cpu())
     want = reference.kda_chunked_bwd(rs, dout.cpu(), None if dht is None else dht.cpu(),
                                      q=cpu[0], k=cpu[1], v=cpu[2], g=cpu[3], beta=cpu[4])
     for name, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         e = rel_rms(x.cpu(), ref)
-        print(f"{pack} {gate} dfinal={dfinal} {name}: {e:.2e}")
+        print(f"{pack} {gate} dfinal={dfinal} {gate_form or 'shipped'} {name}: {e:.2e}")
         assert torch.isfinite(x).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
+@pytest.mark.parametrize("dfinal", [False, True])
+def test_all_gradients_match_reference(pack, gate, dfinal):
+    _gradients_against_reference(pack, gate, dfinal)
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
+def test_horner_gate_gradients_match_reference(pack, gate):
+    """kda_bwd_gate/split_horner (operands anchored once per CTA, block decays carried on the
+    accumulator) is another rounding of the same sums: held to the same fp64 bounds, not bitwise.
+    (bench/studies/gate_anchoring.py emulates both anchorings on the CPU: equal errors.)"""
+    from kda_aot import registry
+    try:
+        registry.library("kda_bwd_gate", "split_horner")
+    except registry.RecordError:
+        pytest.skip("kda_bwd_gate/split_horner not built (KDA_AOT_TEST_RECORDS=1)")
+    _gradients_against_reference(pack, gate, True, gate_form="split_horner")
 
 
 def _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, mode):
