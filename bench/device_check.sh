@@ -5,7 +5,7 @@
 #          FLA interleaved; FLA's Triton autotuning takes ~2 min of it on a fresh machine)
 #   GPU 1: compute-sanitizer memcheck + racecheck, the fit rule's rho table (a fresh fit_params.json
 #          comes back in $OUT; the committed one stays in place for GPU 0), the module profile,
-#          the gate A/B (every kda_bwd_gate form), Nsight Compute on the KDA kernels.
+#          the forms A/B (kda_fwd_chunk and kda_bwd_gate forms), Nsight Compute on the KDA kernels.
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl and
 # build/kobj (the device then compiles only the binding units).
 source "$(dirname "$0")/device_env.sh"
@@ -48,8 +48,9 @@ stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
   timeout $(cap 45) python3 bench/measure_rho.py --table --out "$W/fit_params.json" > "$W/rho.log" 2>&1
   stamp "B: rho rc $?"
   timeout $(cap 45) python3 bench/profile_module.py Q1 32 > "$W/profile_module.log" 2>&1; stamp "B: module profile"
-  timeout $(cap 60) python3 bench/gate_ab.py Q1 32 > "$W/gate_ab.log" 2>&1; stamp "B: gate A/B: $(tail -1 "$W/gate_ab.log")"
-  NCU_S=$(cap 40) NCU_NO_BUILD=1 NCU_DIR="$W" timeout $(cap 260) bash bench/ncu_kda.sh > "$W/ncu.log" 2>&1
+  timeout $(cap 90) python3 bench/forms_ab.py all Q1 32 > "$W/forms_ab.log" 2>&1; stamp "B: forms A/B rc $?"
+  tail -2 "$W/forms_ab.log"
+  NCU_S=35 NCU_NO_BUILD=1 NCU_DIR="$W" timeout $(cap 260) bash bench/ncu_kda.sh > "$W/ncu.log" 2>&1
   stamp "B: ncu rc $?"
 ) &
 wait

@@ -72,9 +72,15 @@ RECORDS: tuple[Record, ...] = (
     Record(program=_FWD, form="short_tiles",
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
-    Record(program="kda_fwd_chunk", form="default", params={"threads": 256},
-           select="always (the only shipped form)",
+    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False},
+           select="always (the shipped form)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
+    Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True},
+           select="tests and benchmarks only until measured against `default` (bitwise equal to it): Akk/Aqk "
+                  "tiles spread so no warp builds more than 32 operand exps per lane and k-step, the diagonal "
+                  "forward substitution with its column in registers",
+           grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table",
+           shipped=False),
     # Walk forms (issue 5), measured on the H200 (bench/measure_rho.py, 2026-11-30, 256-chunk chains):
     # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
     # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/fit.py,
@@ -95,7 +101,7 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_bwd_chunk", form="default", params={"threads": 256},
            select="always (the plain-product half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
-    # The gated half: four forms from one template, measured against each other (bench/gate_ab.py,
+    # The gated half: four forms from one template, measured against each other (bench/forms_ab.py gate,
     # 2026-11-30, Q1 H = 32, whole chunk_kda_bwd: full 64.2 ms, full_staged 63.5, split 50.4,
     # split_staged 45.6): two CTAs per SM with the bf16 inputs in shared memory ship.
     Record(program="kda_bwd_gate", form="split_staged",

@@ -98,10 +98,19 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     return plan
 
 
-def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False):
+# kda_fwd_chunk's forms (codegen/catalog.py): default ships; balanced (bitwise equal) is measured against it.
+CHUNK_FORMS = ("default", "balanced")
+
+
+def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False,
+                      chunk_form=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
-    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange."""
+    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
+    chunk_form: one of CHUNK_FORMS (default: KDA_AOT_CHUNK_FORM, else the shipped default)."""
+    chunk_form = chunk_form or os.environ.get("KDA_AOT_CHUNK_FORM", "default")
+    if chunk_form not in CHUNK_FORMS:
+        raise ValueError(f"chunk_form: expected one of {CHUNK_FORMS}, got {chunk_form!r}")
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
@@ -119,7 +128,7 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    registry.library("kda_fwd_chunk").launch(desc, scale, stream_of(q))
+    registry.library("kda_fwd_chunk", chunk_form).launch(desc, scale, stream_of(q))
     t["scale"] = scale  # the backward programs read it from the saved context
     t["chain_lengths"] = tables.chain_lengths  # the walks' fit rule
     return t

@@ -111,6 +111,24 @@ def test_saved_tape_is_the_state_at_each_chunk_start():
         assert rel_rms(tape[c], ref) < REL, f"chunk {c}"
 
 
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
+def test_chunk_forms_are_bitwise_equal(pack, gate):
+    """kda_fwd_chunk/balanced (Akk/Aqk tiles spread over the warps, the diagonal substitution in
+    registers) writes every output bit as the shipped form does."""
+    from kda_aot import registry
+    from kda_aot.kda import chunk_kda_prepare
+    try:
+        registry.library("kda_fwd_chunk", "balanced")
+    except registry.RecordError:
+        pytest.skip("kda_fwd_chunk/balanced not built (KDA_AOT_TEST_RECORDS=1)")
+    q, k, v, g, beta, cu, _ = make(PACKS[pack], 5, gate, rng(("chunk-forms", pack, gate)), False)
+    a = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="default")
+    b = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="balanced")
+    for name in ("w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(a[name], b[name]), name
+
+
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
 def test_walk_forms_are_bitwise_equal(chains, H):

@@ -171,6 +171,15 @@ def test_chunk_kda_batched_and_packed_shapes_are_checked():
         chunk_kda_fwd(x, x, x, g, b, cu_seqlens=cu)
 
 
+def test_chunk_forms_are_checked_before_any_kernel(monkeypatch):
+    from kda_aot.kda import chunk_kda_prepare
+    with pytest.raises(ValueError, match="chunk_form: expected one of"):
+        chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None, chunk_form="quick")
+    monkeypatch.setenv("KDA_AOT_CHUNK_FORM", "fast")
+    with pytest.raises(ValueError, match="chunk_form: expected one of"):
+        chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None)
+
+
 def test_backward_forms_are_checked_before_any_kernel(monkeypatch):
     from kda_aot.kda import chunk_kda_bwd
     with pytest.raises(ValueError, match="gate_form: expected one of"):

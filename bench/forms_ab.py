@@ -1,0 +1,49 @@
+"""A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
+  chunk: kda_fwd_chunk forms (CHUNK_FORMS: default, balanced) timing chunk_kda_prepare;
+  gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
+         split_horner) timing the whole chunk_kda_bwd.
+    python bench/forms_ab.py [chunk|gate|all] [pack] [heads]
+"""
+import sys
+
+import torch
+
+from kda_aot import registry
+from kda_aot.bench.common import interleaved
+from kda_aot.bench.packs import PACKS
+from kda_aot.bench.single import inputs
+from kda_aot.kda import CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_fwd, chunk_kda_prepare
+
+
+def built(program, forms):
+    out = []
+    for form in forms:
+        try:
+            registry.library(program, form)
+            out.append(form)
+        except registry.RecordError:
+            pass
+    return out
+
+
+def main():
+    what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    pack = sys.argv[2] if len(sys.argv) > 2 else "Q1"
+    H = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+    q, k, v, g, beta, cu = inputs(PACKS[pack], H)
+    cu = cu.cpu()
+    if what in ("chunk", "all"):
+        forms = built("kda_fwd_chunk", CHUNK_FORMS)
+        ms = interleaved({f: (lambda f=f: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
+                                                              chunk_form=f)) for f in forms}, iters=9, warmup=2)
+        print(f"{pack} H={H} kda_fwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+    if what in ("gate", "all"):
+        _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
+        do = torch.randn_like(q)
+        forms = built("kda_bwd_gate", GATE_FORMS)
+        ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
+        print(f"{pack} H={H} chunk_kda_bwd: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+
+
+if __name__ == "__main__":
+    main()
