@@ -1,8 +1,9 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
   chunk: kda_fwd_chunk forms (CHUNK_FORMS: default, balanced) timing chunk_kda_prepare;
+  bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch) timing chunk_kda_bwd_chunk;
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd.
-    python bench/forms_ab.py [chunk|gate|all] [pack] [heads]
+    python bench/forms_ab.py [chunk|bwd|gate|all] [pack] [heads]
 """
 import sys
 
@@ -12,7 +13,8 @@ from kda_aot import registry
 from kda_aot.bench.common import interleaved
 from kda_aot.bench.packs import PACKS
 from kda_aot.bench.single import inputs
-from kda_aot.kda import CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_fwd, chunk_kda_prepare
+from kda_aot.kda import (BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_bwd_chunk,
+                         chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare)
 
 
 def built(program, forms):
@@ -37,9 +39,16 @@ def main():
         ms = interleaved({f: (lambda f=f: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
                                                               chunk_form=f)) for f in forms}, iters=9, warmup=2)
         print(f"{pack} H={H} kda_fwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
+    do = torch.randn_like(q)
+    if what in ("bwd", "all"):
+        dtape, _ = chunk_kda_bwd_walk(saved, do)
+        forms = built("kda_bwd_chunk", BWD_CHUNK_FORMS)
+        ms = interleaved({f: (lambda f=f: chunk_kda_bwd_chunk(saved, do, dtape, form=f)) for f in forms},
+                         iters=9, warmup=2)
+        print(f"{pack} H={H} kda_bwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+        del dtape
     if what in ("gate", "all"):
-        _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
-        do = torch.randn_like(q)
         forms = built("kda_bwd_gate", GATE_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
         print(f"{pack} H={H} chunk_kda_bwd: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))

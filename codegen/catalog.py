@@ -98,7 +98,12 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2},
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
-    Record(program="kda_bwd_chunk", form="default", params={"threads": 256},
+    Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
+           select="tests and benchmarks only until measured against `default` (bitwise equal to it): the fp32 "
+                  "state tapes read eight rows per warp at a time, loads issued before use",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
+           shipped=False),
+    Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False},
            select="always (the plain-product half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
     # The gated half: four forms from one template, measured against each other (bench/forms_ab.py gate,

@@ -98,8 +98,19 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     return plan
 
 
-# kda_fwd_chunk's forms (codegen/catalog.py): default ships; balanced (bitwise equal) is measured against it.
-CHUNK_FORMS = ("default", "balanced")
+# Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
+# test-only records measured against it (bench/forms_ab.py).
+CHUNK_FORMS = ("default", "balanced")                                     # kda_fwd_chunk
+BWD_CHUNK_FORMS = ("default", "prefetch")                                 # kda_bwd_chunk
+GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")  # kda_bwd_gate
+
+
+def _pick_form(what: str, form, env: str, forms: tuple) -> str:
+    """The argument, else the environment knob `env`, else the shipped form; checked."""
+    form = form or os.environ.get(env, forms[0])
+    if form not in forms:
+        raise ValueError(f"{what}: expected one of {forms}, got {form!r}")
+    return form
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False,
@@ -108,9 +119,7 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
     chunk_form: one of CHUNK_FORMS (default: KDA_AOT_CHUNK_FORM, else the shipped default)."""
-    chunk_form = chunk_form or os.environ.get("KDA_AOT_CHUNK_FORM", "default")
-    if chunk_form not in CHUNK_FORMS:
-        raise ValueError(f"chunk_form: expected one of {CHUNK_FORMS}, got {chunk_form!r}")
+    chunk_form = _pick_form("chunk_form", chunk_form, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
@@ -208,10 +217,12 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     return t["dtape"], t["dinitial_state"]
 
 
-def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
+def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
-    drk, dqg, dkg, daqk, dakk (bf16) and dbeta_v, dgam_s (fp32) (see templates/common/kda.h)."""
+    drk, dqg, dkg, daqk, dakk (bf16) and dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
+    form: one of BWD_CHUNK_FORMS (default: KDA_AOT_BWD_CHUNK_FORM, else the shipped one)."""
+    form = _pick_form("bwd_chunk_form", form, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
     q = saved["q"]
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
@@ -227,13 +238,10 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
              dakk=torch.empty(1, T, H, CHUNK, **bf16), dbeta_v=torch.empty(1, T, H, **f32),
              dgam_s=torch.empty(C, H, HEAD_DIM, **f32))
     desc = {name: describe(x, name) for name, x in t.items() if x is not None}
-    registry.library("kda_bwd_chunk").launch(desc, scale, stream_of(q))
+    registry.library("kda_bwd_chunk", form).launch(desc, scale, stream_of(q))
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-# kda_bwd_gate's forms (codegen/catalog.py); split_staged ships, the others are for tests and A/B runs.
-GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")
-GATE_FORM_SHIPPED = "split_staged"
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None):
@@ -243,9 +251,7 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
     gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged)."""
-    gate_form = gate_form or os.environ.get("KDA_AOT_GATE_FORM", GATE_FORM_SHIPPED)
-    if gate_form not in GATE_FORMS:
-        raise ValueError(f"gate_form: expected one of {GATE_FORMS}, got {gate_form!r}")
+    gate_form = _pick_form("gate_form", gate_form, "KDA_AOT_GATE_FORM", GATE_FORMS)
     dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
     if release:
         for name in ("qg", "o", "final_state"):

@@ -180,6 +180,15 @@ def test_chunk_forms_are_checked_before_any_kernel(monkeypatch):
         chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None)
 
 
+def test_bwd_chunk_forms_are_checked_before_any_kernel(monkeypatch):
+    from kda_aot.kda import chunk_kda_bwd_chunk
+    with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
+        chunk_kda_bwd_chunk({}, None, None, form="eager")
+    monkeypatch.setenv("KDA_AOT_BWD_CHUNK_FORM", "lazy")
+    with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
+        chunk_kda_bwd_chunk({}, None, None)
+
+
 def test_backward_forms_are_checked_before_any_kernel(monkeypatch):
     from kda_aot.kda import chunk_kda_bwd
     with pytest.raises(ValueError, match="gate_form: expected one of"):
