@@ -1,6 +1,6 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
   chunk: kda_fwd_chunk forms (CHUNK_FORMS: default, balanced) timing chunk_kda_prepare;
-  bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch) timing chunk_kda_bwd_chunk;
+  bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch, wide) timing chunk_kda_bwd_chunk;
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd.
     python bench/forms_ab.py [chunk|bwd|gate|all] [pack] [heads]

@@ -10,7 +10,7 @@ if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything alre
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 fi
 RUNS="kda_fwd_chunk:default kda_fwd_chunk:balanced kda_fwd_tape:auto kda_bwd_tape:auto kda_bwd_chunk:default
-      kda_bwd_chunk:prefetch kda_bwd_gate:split_staged kda_bwd_gate:split_horner"
+      kda_bwd_chunk:prefetch kda_bwd_chunk:wide kda_bwd_gate:split_staged kda_bwd_gate:split_horner"
 for run in ${NCU_RUNS:-$RUNS}; do
   IFS=: read -r k form <<< "$run"
   case $k in

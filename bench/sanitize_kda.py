@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_aot import registry
-from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare
 
 lens, H = [1, 63, 64, 65, 200], 2
 T = sum(lens)
@@ -35,6 +35,10 @@ try:  # the test-only forms, when built
     chunk_kda_bwd_walk(saved, do, dht, tape_form="split")
     for form in ("full", "full_staged", "split", "split_horner"):
         chunk_kda_bwd(saved, do, dht, gate_form=form)
+    chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="balanced")
+    dtape, _ = chunk_kda_bwd_walk(saved, do, dht)
+    for form in ("prefetch", "wide"):
+        chunk_kda_bwd_chunk(saved, do, dtape, form=form)
 except registry.RecordError as e:
     print(f"sanitize_kda: skipped a test-only form ({e})")
 torch.cuda.synchronize()

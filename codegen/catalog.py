@@ -103,6 +103,12 @@ RECORDS: tuple[Record, ...] = (
                   "state tapes read eight rows per warp at a time, loads issued before use",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
            shipped=False),
+    Record(program="kda_bwd_chunk", form="wide", params={"threads": 512, "prefetch": True},
+           select="tests and benchmarks only until measured against `default`: sixteen warps (4 row blocks x 4 "
+                  "column groups) in the same shared memory, tapes prefetched; bitwise equal to it except dbeta_v "
+                  "(its partial sums regroup: fp32 rounding)",
+           grid="(n_chunks, H) CTAs of 512 threads; warp w = (rows 16 (w % 4) .., column quarter w / 4)",
+           shipped=False),
     Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False},
            select="always (the plain-product half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
