@@ -50,7 +50,17 @@ def walk_times(docs, heads, chunks_per_chain):
     descs = {"kda_fwd_tape": {n: describe(x, n) for n, x in tensors.items()},
              "kda_bwd_tape": {n: describe(x, n) for n, x in bwd.items()}}
     stream = stream_of(q)
-    return {(p, f): launch_ms(p, f, descs[p], stream) for p in WALKS for f in ("full", "split")}
+    return {(p, f): launch_ms(p, f, descs[p], stream) for p in WALKS for f in forms_built()}
+
+
+def forms_built():
+    """full and split, and quarter (test-only, issue 5's third record) when built."""
+    try:
+        for p in WALKS:
+            registry.library(p, "quarter")
+        return ("full", "split", "quarter")
+    except registry.RecordError:
+        return ("full", "split")
 
 
 def main():
@@ -75,6 +85,13 @@ def main():
                     "sm_count": sms, "date": datetime.date.today().isoformat(), "chunks_per_chain": args.chunks,
                     "full_ms": round(shared[(p, "full")], 4), "split_ms": round(shared[(p, "split")], 4),
                     "full_alone_ms": round(alone[(p, "full")], 4), "split_alone_ms": round(alone[(p, "split")], 4)}
+    if "quarter" in forms_built():  # one quarter CTA per SM: chains = SM / 4 (not in the fit rule yet)
+        quarter = walk_times(max(1, sms // (4 * heads)), heads, args.chunks)
+        for p in WALKS:
+            r = quarter[(p, "quarter")] / quarter[(p, "full")]
+            print(f"{p}: {sms // 4} chains: full {quarter[(p, 'full')]:.3f} ms, split {quarter[(p, 'split')]:.3f} ms, "
+                  f"quarter {quarter[(p, 'quarter')]:.3f} ms, rho_quarter_alone {r:.3f}")
+            progs[p]["rho_quarter_alone"] = round(r, 4)
     doc = {"about": "step costs of the fit rule, measured by bench/measure_rho.py", "programs": progs}
     path = Path(args.out) if args.out else fit.PARAMS_FILE
     tmp = path.with_suffix(".tmp")
@@ -82,14 +99,20 @@ def main():
     tmp.replace(path)  # atomic: a reader never sees a half-written file
     print(f"written {path}")
     if args.table:  # issue 5: per-walk kernel times, full vs split, over chain counts and H
-        print("| walk | chains | H | chunks per chain | full ms | split ms | full / split |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for chains, H in ((1, 1), (2, 1), (2, 2), (8, 1), (8, 8), (64, 1), (64, 32), (512, 32)):
+        quarter = "quarter" in forms_built()
+        extra = (" quarter ms | full / quarter |", " --- | --- |") if quarter else ("", "")
+        print("| walk | chains | H | chunks per chain | full ms | split ms | full / split |" + extra[0])
+        print("| --- | --- | --- | --- | --- | --- | --- |" + extra[1])
+        for chains, H in ((1, 1), (2, 1), (2, 2), (8, 1), (8, 8), (32, 32), (64, 1), (64, 32), (512, 32)):
             n = 256 if chains <= 64 else 64
             t = walk_times(chains // H, H, n)
             for p in WALKS:
                 f, sp = t[(p, "full")], t[(p, "split")]
-                print(f"| {p} | {chains} | {H} | {n} | {f:.3f} | {sp:.3f} | {f / sp:.2f} |")
+                row = f"| {p} | {chains} | {H} | {n} | {f:.3f} | {sp:.3f} | {f / sp:.2f} |"
+                if quarter:
+                    qu = t[(p, "quarter")]
+                    row += f" {qu:.3f} | {f / qu:.2f} |"
+                print(row)
 
 if __name__ == "__main__":
     main()

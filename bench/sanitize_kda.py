@@ -33,6 +33,9 @@ y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
 try:  # the test-only forms, when built
     chunk_kda_bwd_walk(saved, do, dht, tape_form="split")
+    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
+                  tape_form="quarter")
+    chunk_kda_bwd_walk(saved, do, dht, tape_form="quarter")
     for form in ("full", "full_staged", "split", "split_horner"):
         chunk_kda_bwd(saved, do, dht, gate_form=form)
     chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="balanced")

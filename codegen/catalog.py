@@ -91,6 +91,11 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_fwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2},
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
+    Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1},
+           select="tests and measurements only (issue 5's third record): four CTAs per chain over 32 value columns "
+                  "each, bitwise equal to `full`; enters the fit rule once measure_rho shows where it wins",
+           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each",
+           shipped=False),
     # The backward and the CP transfer walk: GPU tests passed (bench/NOTES.md, 2026-11-30), shipped.
     Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
@@ -98,6 +103,11 @@ RECORDS: tuple[Record, ...] = (
     Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2},
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
+    Record(program="kda_bwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1},
+           select="tests and measurements only (issue 5's third record): four CTAs per chain over 32 value columns "
+                  "each, bitwise equal to `full`; enters the fit rule once measure_rho shows where it wins",
+           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each",
+           shipped=False),
     Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
            select="tests and benchmarks only until measured against `default` (bitwise equal to it): the fp32 "
                   "state tapes read eight rows per warp at a time, loads issued before use",

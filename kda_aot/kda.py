@@ -175,7 +175,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated `o` / `final_state` (tests
-    poison them). tape_form: auto | full | split (default: the KDA_AOT_WALK_FORM knob, else auto =
+    poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto =
     the fit rule). want_output=False: the walk skips the output stage (the replay backward and the
     CP summaries need the tape and states only; bitwise the same)."""
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=initial_state,
@@ -198,7 +198,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
     d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors.
-    tape_form: auto | full | split (default: the KDA_AOT_WALK_FORM knob, else auto = the fit rule)."""
+    tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit rule)."""
     q = saved["q"]
     if not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")

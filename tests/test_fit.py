@@ -42,6 +42,7 @@ def test_knob_and_unmeasured_rho(monkeypatch, caplog):
     assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "split") == (("split", 0, 2),)
     monkeypatch.setenv("KDA_AOT_WALK_FORM", "split")
     assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132) == (("split", 0, 2),)
+    assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132, "quarter") == (("quarter", 0, 2),)
     with pytest.raises(ValueError, match="walk_form: expected one of"):
         fit.plan_walk("kda_fwd_tape", (3,), 1, 132, "half")
 

@@ -248,6 +248,12 @@ def test_bwd_walk_forms_are_bitwise_equal(chains, H):
     full = chunk_kda_bwd_walk(saved, dout, dht, tape_form="full")
     split = chunk_kda_bwd_walk(saved, dout, dht, tape_form="split")
     assert torch.equal(full[0], split[0]) and torch.equal(full[1], split[1])
+    try:  # the quarter form (four CTAs of 32 value columns), test-only
+        registry.library("kda_bwd_tape", "quarter")
+    except registry.RecordError:
+        return
+    quarter = chunk_kda_bwd_walk(saved, dout, dht, tape_form="quarter")
+    assert torch.equal(full[0], quarter[0]) and torch.equal(full[1], quarter[1])
 
 
 MIXED_PLANS = [(("split", 0, 1), ("full", 1, 3), ("split", 3, 5)), (("full", 0, 4), ("split", 4, 5))]

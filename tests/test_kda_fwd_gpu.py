@@ -132,13 +132,23 @@ def test_chunk_forms_are_bitwise_equal(pack, gate):
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
 def test_walk_forms_are_bitwise_equal(chains, H):
-    """The split form (two CTAs of 64 value columns) computes every element as the full form does."""
+    """The split form (two CTAs of 64 value columns) and, when built, the quarter form (four of 32)
+    compute every element as the full form does."""
+    from kda_aot import registry
+    forms = ["split"]
+    try:
+        registry.library("kda_fwd_tape", "quarter")
+        forms.append("quarter")
+    except registry.RecordError:
+        pass
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], H, "mild", rng(("forms", chains, H)), True)
-    runs = [chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                          save_tape=True, tape_form=form) for form in ("full", "split")]
-    (o1, h1, s1), (o2, h2, s2) = runs
-    assert torch.equal(o1, o2) and torch.equal(h1, h2)
-    assert torch.equal(s1["tape"], s2["tape"]) and torch.equal(s1["vnew"], s2["vnew"])
+    o1, h1, s1 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                               save_tape=True, tape_form="full")
+    for form in forms:
+        o2, h2, s2 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                   save_tape=True, tape_form=form)
+        assert torch.equal(o1, o2) and torch.equal(h1, h2), form
+        assert torch.equal(s1["tape"], s2["tape"]) and torch.equal(s1["vnew"], s2["vnew"]), form
 
 
 @pytest.mark.parametrize("form", ["full", "split"])
