@@ -26,9 +26,11 @@ import logging
 import os
 from pathlib import Path
 
-# quarter (four CTAs of 32 columns, test-only) is a knob value for tests and measurements; `auto` plans
-# with full and split only until measure_rho shows where quarter wins.
+# quarter (four CTAs of 32 columns, test-only) is a knob value for tests and measurements; `auto`
+# considers it only for a program whose fit_params entry has rho_quarter_alone and a quarter record
+# that ships (QUARTER_SHIPPED), and only when every quarter CTA gets an SM of its own.
 FORMS = ("full", "split", "quarter")
+QUARTER_SHIPPED: frozenset = frozenset()  # programs whose quarter record is in build.json
 KNOBS = ("auto",) + FORMS
 PARAMS_FILE = Path(__file__).with_name("fit_params.json")
 log = logging.getLogger("kda_aot.fit")
@@ -44,24 +46,31 @@ def makespan(chain_steps: list[float], slots: int) -> float:
     return max(loads)
 
 
-def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_alone: float | None = None) -> dict:
-    """Predicted makespans, in full-form chunk steps, of the two forms for one launch."""
+def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_alone: float | None = None,
+              rho_quarter_alone: float | None = None) -> dict:
+    """Predicted makespans, in full-form chunk steps, of the uniform forms for one launch (quarter
+    only when its step cost is given and each of its CTAs gets an SM of its own)."""
     chains = [float(n) for n in chain_lengths for _ in range(heads)]
     if rho_alone is not None and 2 * len(chains) <= sm_count:
         split = rho_alone * max(chains, default=0.0)  # one split CTA per SM
     else:  # every chain becomes two half-width chains of rho-cost steps, two slots per SM
         split = makespan([rho * n for n in chains for _ in range(2)], 2 * sm_count)
-    return {"full": makespan(chains, sm_count), "split": split}
+    spans = {"full": makespan(chains, sm_count), "split": split}
+    if rho_quarter_alone is not None and 4 * len(chains) <= sm_count:
+        spans["quarter"] = rho_quarter_alone * max(chains, default=0.0)
+    return spans
 
 
 @functools.lru_cache(maxsize=None)
 def measured_rho() -> dict:
-    """{program: (rho, rho_alone)} from fit_params.json (empty until measured; rho_alone = rho
-    when a measurement predates it)."""
+    """{program: (rho, rho_alone, rho_quarter_alone or None)} from fit_params.json (empty until
+    measured; rho_alone = rho when a measurement predates it; quarter only where it ships)."""
     if not PARAMS_FILE.is_file():
         return {}
     progs = json.loads(PARAMS_FILE.read_text())["programs"]
-    return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"]))) for p, v in progs.items()}
+    return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"])),
+                float(v["rho_quarter_alone"]) if p in QUARTER_SHIPPED and "rho_quarter_alone" in v else None)
+            for p, v in progs.items()}
 
 
 MAX_RUNS = 4  # launches of one walk (one stream each); more would not overlap usefully
@@ -100,8 +109,9 @@ def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob:
         return (("full", 0, n),)
     spans = predicted(chain_lengths, heads, sm_count, *rhos)
     best_span, best = spans["full"], (("full", 0, n),)
-    if spans["split"] < best_span:
-        best_span, best = spans["split"], (("split", 0, n),)
+    for form in ("split", "quarter"):
+        if form in spans and spans[form] < best_span:
+            best_span, best = spans[form], ((form, 0, n),)
     longest_first = sorted(range(n), key=lambda s: -chain_lengths[s])
     uniform_span = best_span
     for k in range(1, n):  # split the k longest documents, the others full

@@ -89,3 +89,24 @@ def test_mixed_plans(monkeypatch):
     assert fit.plan_walk("kda_fwd_tape", (1000, 960, 960), 32, 132, "auto") == (("full", 0, 3),)
     assert fit.plan_walk("kda_fwd_tape", (1000, 900, 900), 32, 132, "auto") == (("split", 0, 1), ("full", 1, 3))
     fit._decide.cache_clear()
+
+
+def test_quarter_form_when_measured_and_shipped(monkeypatch, tmp_path):
+    """quarter enters `auto` only with a measured rho_quarter_alone for a program whose quarter record
+    ships, and only when each of its CTAs gets an SM of its own (4 x chains <= SMs)."""
+    fit._decide.cache_clear()
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.15, 0.62, 0.4)})
+    assert fit.plan_walk("kda_fwd_tape", (2000,), 32, 132, "auto") == (("quarter", 0, 1),)   # 128 CTAs
+    assert fit.plan_walk("kda_fwd_tape", (2000,), 40, 132, "auto") == (("split", 0, 1),)     # 160 > 132
+    fit._decide.cache_clear()
+    params = tmp_path / "fit_params.json"
+    params.write_text('{"programs": {"kda_fwd_tape": {"rho": 1.15, "rho_alone": 0.62, "rho_quarter_alone": 0.4}}}')
+    monkeypatch.undo()
+    monkeypatch.setattr(fit, "PARAMS_FILE", params)
+    fit.measured_rho.cache_clear()
+    assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, None)       # quarter not shipped: ignored
+    monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset({"kda_fwd_tape"}))
+    fit.measured_rho.cache_clear()
+    assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, 0.4)
+    fit.measured_rho.cache_clear()
+    fit._decide.cache_clear()
