@@ -58,10 +58,11 @@ def _sm_count(device: torch.device) -> int:
 _SIDE_STREAMS: dict = {}
 
 
-def _side_streams(device: torch.device, n: int) -> list:
-    """n streams of `device` for the walks' concurrent launches, taken once from PyTorch's
-    high-priority pool (the default-priority pool is the one NCCL and most users draw from)."""
-    have = _SIDE_STREAMS.setdefault(device, [])
+def _side_streams(device: torch.device, n: int, pool: str) -> list:
+    """n streams of `device` for concurrent launches, one pool per user (each walk program, the
+    replay's forward walk), taken once from PyTorch's high-priority pool (the default-priority pool
+    is the one NCCL and most users draw from)."""
+    have = _SIDE_STREAMS.setdefault((device, pool), [])
     while len(have) < n:
         have.append(torch.cuda.Stream(device, priority=-1))
     return have[:n]
@@ -83,7 +84,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
         registry.library(program, plan[0][0]).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
     main = torch.cuda.current_stream(device)
-    streams = _side_streams(device, len(plan))
+    streams = _side_streams(device, len(plan), program)
     for st in streams:
         st.wait_stream(main)
     try:
@@ -146,7 +147,8 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
 def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
                    tape_form=None, want_output=True):
     """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
-    (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape)."""
+    (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape).
+    `out` may hold preallocated o, final_state, tape, vnew."""
     q = prepared["q"]
     T, H = q.shape[1], q.shape[2]
     N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
@@ -158,8 +160,8 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     t = dict(prepared)
     t.update({
         "initial_state": initial_state,
-        "tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32) if save_tape else None,
-        "vnew": torch.empty(1, T, H, HEAD_DIM, **bf16) if save_tape else None,
+        "tape": out.get("tape", torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
+        "vnew": out.get("vnew", torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
         "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
         "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                         if output_final_state else None),
@@ -244,15 +246,17 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
 
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None):
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
-    gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged)."""
+    gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged).
+    walk: (dtape, d_initial_state) when the backward walk has run already (the replay runs it beside
+    the forward walk)."""
     gate_form = _pick_form("gate_form", gate_form, "KDA_AOT_GATE_FORM", GATE_FORMS)
-    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
+    dtape, dh0 = walk if walk is not None else chunk_kda_bwd_walk(saved, dout, dfinal_state)
     if release:
         for name in ("qg", "o", "final_state"):
             saved.pop(name, None)
@@ -321,15 +325,38 @@ def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
     return groups
 
 
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """One replay pass: the chunk stage, then the forward walk (tape, V') and the backward walk
+    (dS tape) side by side — the backward walk reads only the chunk stage's outputs, the two write
+    disjoint tensors, and a walk's tail (its shorter chains done) leaves SMs idle that the other
+    fills — then the chunk-parallel backward. Bitwise the same as running the walks one after the
+    other: the same kernels on the same inputs."""
+    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
+                                 save_tape=True)
+    T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
+    # allocated here, on the current stream: the side stream only launches
+    out = {"tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32),
+           "vnew": torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
+    main = torch.cuda.current_stream(q.device)
+    side = _side_streams(q.device, 1, "replay")[0]
+    side.wait_stream(main)
+    try:
+        with torch.cuda.stream(side):
+            _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, out=out, want_output=False)
+        walk = chunk_kda_bwd_walk(prepared, do, dht)
+    finally:
+        main.wait_stream(side)
+    del prepared, out  # `saved` alone holds the intermediates now: release frees them as it goes
+    return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
+
+
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs)."""
     T, H = q.shape[1], q.shape[2]
     tables = pack_tables(cu_seqlens, T, q.device)
     groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
     if len(groups) == 1:
-        _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                    save_tape=True, want_output=False)
-        return chunk_kda_bwd(saved, do, dht, release=True)
+        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
              None if h0 is None and dht is None else
@@ -337,11 +364,8 @@ def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     for a, b in groups:
         part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
         state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
-        _, _, saved = chunk_kda_fwd(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(),
-                                    cu_seqlens=cu_seqlens, scale=scale, initial_state=state(h0), save_tape=True,
-                                    want_output=False)
-        got = chunk_kda_bwd(saved, part(do), state(dht), release=True)
-        del saved
+        got = _replay_step(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
+                           cu_seqlens, scale, part(do), state(dht))
         for full, x in zip(grads[:5], got[:5]):
             full[:, :, a:b].copy_(x)
         if grads[5] is not None:
