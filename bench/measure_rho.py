@@ -1,4 +1,6 @@
-"""Measure the fit rule's step costs (kda_aot/fit.py) on this GPU and write kda_aot/fit_params.json.
+"""Measure the fit rule's step costs (kda_aot/fit.py) on this GPU and write kda_aot/fit_params.json
+(or --out). The quarter form (test-only), when built, is timed alone too (rho_quarter_alone, chains =
+SM / 4) and in the table.
 
 For each walk (kda_fwd_tape, kda_bwd_tape): rho = time of the split walk (two CTAs of 64 value
 columns per chain) / time of the full walk (one CTA of 128 columns per chain) with chains = SM
@@ -89,7 +91,7 @@ def main():
         quarter = walk_times(max(1, sms // (4 * heads)), heads, args.chunks)
         for p in WALKS:
             r = quarter[(p, "quarter")] / quarter[(p, "full")]
-            print(f"{p}: {sms // 4} chains: full {quarter[(p, 'full')]:.3f} ms, split {quarter[(p, 'split')]:.3f} ms, "
+            print(f"{p}: {max(1, sms // (4 * heads)) * heads} chains: full {quarter[(p, 'full')]:.3f} ms, split {quarter[(p, 'split')]:.3f} ms, "
                   f"quarter {quarter[(p, 'quarter')]:.3f} ms, rho_quarter_alone {r:.3f}")
             progs[p]["rho_quarter_alone"] = round(r, 4)
     doc = {"about": "step costs of the fit rule, measured by bench/measure_rho.py", "programs": progs}

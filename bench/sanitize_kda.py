@@ -31,18 +31,28 @@ fit.plan_walk = plan_walk
 from kda_aot.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
-try:  # the test-only forms, when built
-    chunk_kda_bwd_walk(saved, do, dht, tape_form="split")
-    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
-                  tape_form="quarter")
-    chunk_kda_bwd_walk(saved, do, dht, tape_form="quarter")
-    for form in ("full", "full_staged", "split", "split_horner"):
-        chunk_kda_bwd(saved, do, dht, gate_form=form)
-    chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="balanced")
-    dtape, _ = chunk_kda_bwd_walk(saved, do, dht)
-    for form in ("prefetch", "wide"):
-        chunk_kda_bwd_chunk(saved, do, dtape, form=form)
-except registry.RecordError as e:
-    print(f"sanitize_kda: skipped a test-only form ({e})")
+# the test-only forms, each when built (one missing does not hide the others)
+dtape, _ = chunk_kda_bwd_walk(saved, do, dht)
+runs = {
+    "kda_bwd_tape/split": lambda: chunk_kda_bwd_walk(saved, do, dht, tape_form="split"),
+    "kda_fwd_tape/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
+                                                  output_final_state=True, save_tape=True, tape_form="quarter"),
+    "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, tape_form="quarter"),
+    "kda_fwd_chunk/balanced": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
+                                                        chunk_form="balanced"),
+}
+for form in ("full", "full_staged", "split", "split_horner"):
+    runs[f"kda_bwd_gate/{form}"] = lambda form=form: chunk_kda_bwd(saved, do, dht, gate_form=form)
+for form in ("prefetch", "wide"):
+    runs[f"kda_bwd_chunk/{form}"] = lambda form=form: chunk_kda_bwd_chunk(saved, do, dtape, form=form)
+for name, run in runs.items():
+    try:
+        run()
+    except registry.RecordError as e:
+        print(f"sanitize_kda: skipped {name} ({e})")
+# the replay backward through autograd: the forward and backward walks side by side on two streams
+from kda_aot.kda import chunk_kda  # noqa: E402
+leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

@@ -30,6 +30,12 @@ def describe(t: torch.Tensor | None, name: str):
     return (t.data_ptr(), code, device, tuple(t.shape), tuple(t.stride()))
 
 
+def out_or(out: dict, name: str, make):
+    """out[name] when the caller preallocated it, else make() — called only then (a default
+    argument would allocate the tensor either way, on whatever stream is current)."""
+    return out[name] if name in out else make()
+
+
 def stream_of(t: torch.Tensor) -> int:
     """Raw handle of the current stream of t's device (0 for a CPU tensor, which bindings refuse)."""
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from ._tensor import describe, stream_of
+from ._tensor import describe, out_or, stream_of
 from .packing import pack_tables
 
 WIDTH = 4
@@ -53,12 +53,13 @@ def conv1d_silu_backward(x, weight, bias, cu_seqlens, dy, halo=None, *, need_dha
     T, D = x.shape[1], x.shape[2]
     N = cu_seqlens.numel() - 1
     out = dict(out or {})
-    dx = out.get("dx", torch.empty_like(x))
-    dweight = out.get("dweight", torch.empty(D, WIDTH, device=x.device, dtype=torch.float32))
-    dbias = out.get("dbias", torch.empty(D, device=x.device, dtype=torch.float32)) if bias is not None else None
+    dx = out_or(out, "dx", lambda: torch.empty_like(x))
+    dweight = out_or(out, "dweight", lambda: torch.empty(D, WIDTH, device=x.device, dtype=torch.float32))
+    dbias = (out_or(out, "dbias", lambda: torch.empty(D, device=x.device, dtype=torch.float32))
+             if bias is not None else None)
     dhalo = None
     if need_dhalo and halo is not None:
-        dhalo = out.get("dhalo", torch.empty(N, 3, D, device=x.device, dtype=torch.float32))
+        dhalo = out_or(out, "dhalo", lambda: torch.empty(N, 3, D, device=x.device, dtype=torch.float32))
     lib = registry.library("conv1d_silu_bwd", form)
     workspace = torch.empty(lib.workspace_floats(T, D), device=x.device, dtype=torch.float32)
     lib.launch(describe(x, "x"), describe(weight, "weight"), describe(bias, "bias"), describe(halo, "halo"),

@@ -127,7 +127,7 @@ def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob:
 
 def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, knob: str | None = None) -> tuple:
     """The launches of one walk: ((form, first segment, end segment), ...) covering every segment in
-    order. knob: auto | full | split (default: env KDA_AOT_WALK_FORM, else auto)."""
+    order. knob: auto | full | split | quarter (default: env KDA_AOT_WALK_FORM, else auto)."""
     knob = knob or os.environ.get("KDA_AOT_WALK_FORM", "auto")
     if knob not in KNOBS:
         raise ValueError(f"walk_form: expected one of {KNOBS}, got {knob!r}")

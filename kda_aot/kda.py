@@ -16,7 +16,7 @@ import os
 import torch
 
 from . import fit, registry
-from ._tensor import describe, stream_of
+from ._tensor import describe, out_or, stream_of
 from .norm import l2norm
 from .packing import CHUNK, PackTables, pack_tables
 
@@ -72,12 +72,12 @@ def _side_streams(device: torch.device, n: int, pool: str) -> list:
 _PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state")
 
 
-def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob) -> tuple:
+def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None) -> tuple:
     """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
     one launch per run of segments of one form; several runs go on side streams that fork from and
     join the current stream, so they overlap. Split runs are launched first: the fit rule assumes
     their CTAs get SMs of their own and the full runs take the SMs left over. Returns the plan."""
-    plan = fit.plan_walk(program, chain_lengths, H, _sm_count(device), knob)
+    plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), knob)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
@@ -145,10 +145,11 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
 
 
 def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
-                   tape_form=None, want_output=True):
+                   tape_form=None, want_output=True, sm_count=None):
     """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
     (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape).
-    `out` may hold preallocated o, final_state, tape, vnew."""
+    `out` may hold preallocated o, final_state, tape, vnew. sm_count: the SMs the fit rule plans
+    for (default: the device's; the replay plans each of its two concurrent walks on half)."""
     q = prepared["q"]
     T, H = q.shape[1], q.shape[2]
     N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
@@ -160,15 +161,15 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     t = dict(prepared)
     t.update({
         "initial_state": initial_state,
-        "tape": out.get("tape", torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
-        "vnew": out.get("vnew", torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
-        "o": out.get("o", torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
-        "final_state": (out.get("final_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
+        "tape": out_or(out, "tape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
+        "vnew": out_or(out, "vnew", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
+        "o": out_or(out, "o", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
+        "final_state": (out_or(out, "final_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                         if output_final_state else None),
     })
     if not save_tape:
         t["akk_inv"] = None
-    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form)
+    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form, sm_count)
     return t["o"], t["final_state"], t
 
 
@@ -176,10 +177,10 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
                   save_tape=False, out=None, tape_form=None, want_output=True):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
-    `save_tape` (what the backward needs). `out` may hold preallocated `o` / `final_state` (tests
-    poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto =
-    the fit rule). want_output=False: the walk skips the output stage (the replay backward and the
-    CP summaries need the tape and states only; bitwise the same)."""
+    `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew
+    (tests poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM
+    knob, else auto = the fit rule). want_output=False: the walk skips the output stage (the replay
+    backward and the CP summaries need the tape and states only; bitwise the same)."""
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=initial_state,
                                  save_tape=save_tape)
     return chunk_kda_walk(prepared, initial_state=initial_state, output_final_state=output_final_state,
@@ -196,11 +197,12 @@ def segment_view(prepared: dict, segment: int) -> dict:
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
-                       tape_form=None):
+                       tape_form=None, sm_count=None):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
     d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors.
-    tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit rule)."""
+    tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit
+    rule). sm_count: the SMs the fit rule plans for (default: the device's)."""
     q = saved["q"]
     if not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
@@ -212,10 +214,10 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     f32 = dict(device=q.device, dtype=torch.float32)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
     t.update(dout=dout.contiguous(), dfinal_state=dfinal_state,
-             dtape=out.get("dtape", torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)),
-             dinitial_state=(out.get("dinitial_state", torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
+             dtape=out_or(out, "dtape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)),
+             dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                              if need_dinitial_state else None))
-    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form)
+    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form, sm_count)
     return t["dtape"], t["dinitial_state"]
 
 
@@ -253,10 +255,14 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
     gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged).
-    walk: (dtape, d_initial_state) when the backward walk has run already (the replay runs it beside
-    the forward walk)."""
+    walk: [dtape, d_initial_state] when the backward walk has run already (the replay runs it beside
+    the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it."""
     gate_form = _pick_form("gate_form", gate_form, "KDA_AOT_GATE_FORM", GATE_FORMS)
-    dtape, dh0 = walk if walk is not None else chunk_kda_bwd_walk(saved, dout, dfinal_state)
+    if walk is not None:
+        dtape, dh0 = walk
+        walk.clear()
+    else:
+        dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
     if release:
         for name in ("qg", "o", "final_state"):
             saved.pop(name, None)
@@ -339,11 +345,13 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
            "vnew": torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
     main = torch.cuda.current_stream(q.device)
     side = _side_streams(q.device, 1, "replay")[0]
+    half = max(1, _sm_count(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
     side.wait_stream(main)
     try:
         with torch.cuda.stream(side):
-            _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, out=out, want_output=False)
-        walk = chunk_kda_bwd_walk(prepared, do, dht)
+            _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, out=out, want_output=False,
+                                         sm_count=half)
+        walk = list(chunk_kda_bwd_walk(prepared, do, dht, sm_count=half))
     finally:
         main.wait_stream(side)
     del prepared, out  # `saved` alone holds the intermediates now: release frees them as it goes

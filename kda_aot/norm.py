@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from ._tensor import describe, stream_of
+from ._tensor import describe, out_or, stream_of
 
 L2NORM_EPS = 1e-6
 WIDTH = 128
@@ -25,8 +25,8 @@ def l2norm_torch(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
     """Kernel call: (y bf16 like x, rstd fp32 x.shape[:-1]). `out` may hold y / rstd (tests poison them)."""
     out = dict(out or {})
-    y = out.get("y", torch.empty_like(x))
-    rstd = out.get("rstd", torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32))
+    y = out_or(out, "y", lambda: torch.empty_like(x))
+    rstd = out_or(out, "rstd", lambda: torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32))
     registry.library("l2norm_fwd").launch(describe(x, "x"), describe(y, "y"), describe(rstd, "rstd"), float(eps),
                                           stream_of(x))
     return y, rstd

@@ -6,6 +6,17 @@ import pytest
 from kda_aot import fit
 
 
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    """Decisions and measurements are cached process-wide: every test starts and ends without them
+    (also when an assertion fails), so no monkeypatched value leaks into another test."""
+    fit._decide.cache_clear()
+    fit.measured_rho.cache_clear()
+    yield
+    fit._decide.cache_clear()
+    fit.measured_rho.cache_clear()
+
+
 def test_makespan_longest_first():
     assert fit.makespan([], 4) == 0
     assert fit.makespan([5, 3, 3, 2], 2) == 7      # 5+2 | 3+3
@@ -91,22 +102,19 @@ def test_mixed_plans(monkeypatch):
     fit._decide.cache_clear()
 
 
-def test_quarter_form_when_measured_and_shipped(monkeypatch, tmp_path):
-    """quarter enters `auto` only with a measured rho_quarter_alone for a program whose quarter record
-    ships, and only when each of its CTAs gets an SM of its own (4 x chains <= SMs)."""
-    fit._decide.cache_clear()
+def test_quarter_form_when_measured(monkeypatch):
+    """quarter enters `auto` with a measured rho_quarter_alone, and only when each of its CTAs gets
+    an SM of its own (4 x chains <= SMs)."""
     monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.15, 0.62, 0.4)})
     assert fit.plan_walk("kda_fwd_tape", (2000,), 32, 132, "auto") == (("quarter", 0, 1),)   # 128 CTAs
     assert fit.plan_walk("kda_fwd_tape", (2000,), 40, 132, "auto") == (("split", 0, 1),)     # 160 > 132
-    fit._decide.cache_clear()
+
+
+def test_quarter_step_cost_is_read_only_where_quarter_ships(monkeypatch, tmp_path):
     params = tmp_path / "fit_params.json"
     params.write_text('{"programs": {"kda_fwd_tape": {"rho": 1.15, "rho_alone": 0.62, "rho_quarter_alone": 0.4}}}')
-    monkeypatch.undo()
     monkeypatch.setattr(fit, "PARAMS_FILE", params)
-    fit.measured_rho.cache_clear()
     assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, None)       # quarter not shipped: ignored
     monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset({"kda_fwd_tape"}))
     fit.measured_rho.cache_clear()
     assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, 0.4)
-    fit.measured_rho.cache_clear()
-    fit._decide.cache_clear()

@@ -11,7 +11,7 @@ import torch
 from conftest import SEED, gpu
 from kda_aot import reference
 from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
-from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, rel_rms, rng
+from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, rel_rms, require_form, rng
 
 pytestmark = gpu
 
@@ -97,11 +97,7 @@ def test_bwd_chunk_forms_are_bitwise_equal(pack, form):
     """kda_bwd_chunk/prefetch (state tapes read eight rows per warp at a time) writes every output
     bit as the shipped form does; /wide (sixteen warps) too, except dbeta_v, whose per-group partial
     sums regroup (fp32 rounding)."""
-    from kda_aot import registry
-    try:
-        registry.library("kda_bwd_chunk", form)
-    except registry.RecordError:
-        pytest.skip(f"kda_bwd_chunk/{form} not built (KDA_AOT_TEST_RECORDS=1)")
+    require_form("kda_bwd_chunk", form)
     q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, "rand", rng(("bwd-chunk-forms", pack, form)), True)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-chunk-forms-do", pack, form))).to(torch.bfloat16)
@@ -149,11 +145,7 @@ def test_horner_gate_gradients_match_reference(pack, gate):
     """kda_bwd_gate/split_horner (operands anchored once per CTA, block decays carried on the
     accumulator) is another rounding of the same sums: held to the same fp64 bounds, not bitwise.
     (bench/studies/gate_anchoring.py emulates both anchorings on the CPU: equal errors.)"""
-    from kda_aot import registry
-    try:
-        registry.library("kda_bwd_gate", "split_horner")
-    except registry.RecordError:
-        pytest.skip("kda_bwd_gate/split_horner not built (KDA_AOT_TEST_RECORDS=1)")
+    require_form("kda_bwd_gate", "split_horner")
     _gradients_against_reference(pack, gate, True, gate_form="split_horner")
 
 
@@ -207,11 +199,7 @@ def test_gate_forms_match_shipped(form):
     bitwise equal (the same operands in the same mma chains and the same _rn elementwise sequence);
     dbeta bitwise equal between forms of the same width, and within fp32 rounding between widths (two
     channel halves summed in Python vs one in-kernel sum)."""
-    from kda_aot import registry
-    try:
-        registry.library("kda_bwd_gate", form)
-    except registry.RecordError:
-        pytest.skip(f"kda_bwd_gate/{form} not built (KDA_AOT_TEST_RECORDS=1)")
+    require_form("kda_bwd_gate", form)
     lens, H = PACKS["edges"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("gate-forms", form)), True)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
@@ -233,27 +221,21 @@ def test_gate_forms_match_shipped(form):
 
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
-def test_bwd_walk_forms_are_bitwise_equal(chains, H):
-    """kda_bwd_tape/split (two CTAs of 64 value columns) computes every element as `full` does."""
-    from kda_aot import registry
-    try:
-        registry.library("kda_bwd_tape", "split")
-    except registry.RecordError:
-        pytest.skip("kda_bwd_tape/split not built (KDA_AOT_TEST_RECORDS=1)")
+@pytest.mark.parametrize("form", ["split", "quarter"])
+def test_bwd_walk_forms_are_bitwise_equal(chains, H, form):
+    """kda_bwd_tape/split (two CTAs of 64 value columns) and /quarter (four of 32) compute every
+    element as `full` does. Outputs poisoned first."""
+    require_form("kda_bwd_tape", form)
     lens = CHAIN_PACKS[chains]
-    q, k, v, g, beta, cu, h0 = make(lens, H, "mild", rng(("bwd-forms", chains, H)), True)
+    q, k, v, g, beta, cu, h0 = make(lens, H, "mild", rng(("bwd-forms", chains, H, form)), True)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
-    dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-forms-do", chains, H))).to(torch.bfloat16)
-    dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("bwd-forms-dht", chains, H)))
+    dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-forms-do", chains, H, form))).to(torch.bfloat16)
+    dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("bwd-forms-dht", chains, H, form)))
     full = chunk_kda_bwd_walk(saved, dout, dht, tape_form="full")
-    split = chunk_kda_bwd_walk(saved, dout, dht, tape_form="split")
-    assert torch.equal(full[0], split[0]) and torch.equal(full[1], split[1])
-    try:  # the quarter form (four CTAs of 32 value columns), test-only
-        registry.library("kda_bwd_tape", "quarter")
-    except registry.RecordError:
-        return
-    quarter = chunk_kda_bwd_walk(saved, dout, dht, tape_form="quarter")
-    assert torch.equal(full[0], quarter[0]) and torch.equal(full[1], quarter[1])
+    nan = lambda x: torch.full_like(x, float("nan"))  # noqa: E731
+    other = chunk_kda_bwd_walk(saved, dout, dht, tape_form=form,
+                               out={"dtape": nan(full[0]), "dinitial_state": nan(full[1])})
+    assert torch.equal(full[0], other[0]) and torch.equal(full[1], other[1])
 
 
 MIXED_PLANS = [(("split", 0, 1), ("full", 1, 3), ("split", 3, 5)), (("full", 0, 4), ("split", 4, 5))]
