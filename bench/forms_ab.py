@@ -1,9 +1,11 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
   chunk: kda_fwd_chunk forms (CHUNK_FORMS: default, balanced) timing chunk_kda_prepare;
   bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch, wide) timing chunk_kda_bwd_chunk;
+  replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
+         (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd.
-    python bench/forms_ab.py [chunk|bwd|gate|all] [pack] [heads]
+    python bench/forms_ab.py [chunk|bwd|gate|replay|all] [pack] [heads]
 """
 import sys
 
@@ -48,10 +50,32 @@ def main():
                          iters=9, warmup=2)
         print(f"{pack} H={H} kda_bwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
         del dtape
+    if what in ("replay", "all"):
+        replay_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("gate", "all"):
         forms = built("kda_bwd_gate", GATE_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
         print(f"{pack} H={H} chunk_kda_bwd: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+
+
+def replay_ab(q, k, v, g, beta, cu, pack, H):
+    import os
+    from kda_aot.kda import chunk_kda
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+    do = torch.randn_like(q)
+
+    def step(overlap):
+        def run():
+            os.environ["KDA_AOT_REPLAY_OVERLAP"] = overlap
+            try:
+                for x in leaves:
+                    x.grad = None
+                chunk_kda(*leaves, cu_seqlens=cu, backward="replay")[0].backward(do)
+            finally:
+                del os.environ["KDA_AOT_REPLAY_OVERLAP"]
+        return run
+    ms = interleaved({"walks side by side": step("1"), "one after the other": step("0")}, iters=7, warmup=1)
+    print(f"{pack} H={H} replay step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 
 if __name__ == "__main__":

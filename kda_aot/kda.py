@@ -336,13 +336,18 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     (dS tape) side by side — the backward walk reads only the chunk stage's outputs, the two write
     disjoint tensors, and a walk's tail (its shorter chains done) leaves SMs idle that the other
     fills — then the chunk-parallel backward. Bitwise the same as running the walks one after the
-    other: the same kernels on the same inputs."""
+    other (KDA_AOT_REPLAY_OVERLAP=0, for A/B runs): the same kernels on the same inputs."""
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
                                  save_tape=True)
     T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
     out = {"tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32),
            "vnew": torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
+    if os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") == "0":  # the walks one after the other (A/B runs)
+        _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, out=out, want_output=False)
+        walk = list(chunk_kda_bwd_walk(prepared, do, dht))
+        del prepared, out
+        return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
     main = torch.cuda.current_stream(q.device)
     side = _side_streams(q.device, 1, "replay")[0]
     half = max(1, _sm_count(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
