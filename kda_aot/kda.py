@@ -331,35 +331,46 @@ def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
     return groups
 
 
-def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
-    """One replay pass: the chunk stage, then the forward walk (tape, V') and the backward walk
-    (dS tape) side by side — the backward walk reads only the chunk stage's outputs, the two write
-    disjoint tensors, and a walk's tail (its shorter chains done) leaves SMs idle that the other
-    fills — then the chunk-parallel backward. Bitwise the same as running the walks one after the
-    other (KDA_AOT_REPLAY_OVERLAP=0, for A/B runs): the same kernels on the same inputs."""
-    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                 save_tape=True)
+def replay_walks(prepared: dict, initial_state, dout, dfinal_state, *, overlap=None):
+    """The replay's two walks over a chunk stage prepared with save_tape: the forward walk (tape and
+    V', no output) and, when `dout` is given, the backward walk (dtape, d_initial_state) — which reads
+    only the chunk stage's outputs — side by side: the forward walk on a side stream, each planned on
+    half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
+    [dtape, d_initial_state] or None). Bitwise the same as the walks one after the other
+    (overlap=False, or KDA_AOT_REPLAY_OVERLAP=0, for A/B runs)."""
+    q = prepared["q"]
     T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
     out = {"tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32),
            "vnew": torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
-    if os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") == "0":  # the walks one after the other (A/B runs)
-        _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, out=out, want_output=False)
-        walk = list(chunk_kda_bwd_walk(prepared, do, dht))
-        del prepared, out
-        return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
+    if overlap is None:
+        overlap = os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") != "0"
+    if not overlap or dout is None:
+        _, _, saved = chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
+                                     want_output=False)
+        walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state))
+        return saved, walk
     main = torch.cuda.current_stream(q.device)
     side = _side_streams(q.device, 1, "replay")[0]
     half = max(1, _sm_count(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
     side.wait_stream(main)
     try:
         with torch.cuda.stream(side):
-            _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, out=out, want_output=False,
-                                         sm_count=half)
-        walk = list(chunk_kda_bwd_walk(prepared, do, dht, sm_count=half))
+            _, _, saved = chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
+                                         want_output=False, sm_count=half)
+        walk = list(chunk_kda_bwd_walk(prepared, dout, dfinal_state, sm_count=half))
     finally:
         main.wait_stream(side)
-    del prepared, out  # `saved` alone holds the intermediates now: release frees them as it goes
+    return saved, walk
+
+
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """One replay pass: the chunk stage, the two walks side by side (replay_walks), then the
+    chunk-parallel backward. Bitwise the same as the saved-context backward."""
+    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
+                                 save_tape=True)
+    saved, walk = replay_walks(prepared, h0, do, dht)
+    del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 

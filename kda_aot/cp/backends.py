@@ -126,6 +126,18 @@ class CudaBackend:
                                           output_final_state=True, save_tape=keep)
         return o, finals, (saved if keep else None)
 
+    def replay(self, prepared, states: torch.Tensor, do: torch.Tensor, dfinals):
+        """The replay backward's forward walk (tape and V' for the backward; no output) and, when
+        `dfinals` is given, the state-gradient walk for D — which reads only the chunk stage — side
+        by side (kda.replay_walks). Returns (saved context, D or None): the same bits as forward()
+        then state_grads()."""
+        from ..kda import replay_walks
+        walk = replay_walks(prepared, states.to(torch.float32).contiguous(),
+                            None if dfinals is None else do.to(torch.bfloat16).contiguous(),
+                            None if dfinals is None else dfinals.to(torch.float32).contiguous())
+        saved, bwd = walk
+        return saved, (None if bwd is None else bwd[1])
+
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())

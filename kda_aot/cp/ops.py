@@ -203,20 +203,6 @@ class _ChunkKdaCP(torch.autograd.Function):
             (states,) = ctx.saved_tensors
             lctx, M_local = ctx.lctx, ctx.M_local
             ctx.lctx = ctx.M_local = None          # free the graph as soon as possible
-        else:
-            q, k, v, g, beta, states = ctx.saved_tensors
-            lctx, M_local = None, {}
-            if local:
-                # Replay: the same calls on the same values as the forward -> bitwise the same.
-                with _Phase("bwd replay", q.device):
-                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
-                    _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
-                                          keep=True)
-                with _Phase("bwd summary walks", q.device):
-                    for f in local:
-                        if f.needs_state and not f.is_last:
-                            M_local[f.index] = _summary(backend, prepared, f, k, v, g, beta,
-                                                        need_b=False)[0]
         device = do.device
         # Exit-state gradients known locally: the final-state gradient of documents that end here.
         known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)
@@ -224,10 +210,30 @@ class _ChunkKdaCP(torch.autograd.Function):
             for f in local:
                 if f.is_last:
                     known[f.segment] = dfinal[f.doc].to(sd)
+        need_d = any(f.needs_state for f in local)
+        first_pass = None
+        if mode != "saved":
+            q, k, v, g, beta, states = ctx.saved_tensors
+            lctx, M_local = None, {}
+            if local:
+                # Replay: the same calls on the same values as the forward -> bitwise the same.
+                replay = getattr(backend, "replay", None)
+                with _Phase("bwd replay", q.device):
+                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
+                    if replay is not None and prepared is not None:
+                        # the forward walk and the walk for D side by side (the backend's choice)
+                        lctx, first_pass = replay(prepared, states, do, known if need_d else None)
+                    else:
+                        _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
+                                              keep=True)
+                with _Phase("bwd summary walks", q.device):
+                    for f in local:
+                        if f.needs_state and not f.is_last:
+                            M_local[f.index] = _summary(backend, prepared, f, k, v, g, beta,
+                                                        need_b=False)[0]
 
         # 1. D (dS_out = 0) of the local fragments whose entering-state gradient others wait for.
-        first_pass = None
-        if any(f.needs_state for f in local):
+        if need_d and first_pass is None:
             state_grads = getattr(backend, "state_grads", None)
             with _Phase("bwd summary walks", device):
                 first_pass = (state_grads(lctx, do, known) if state_grads is not None
