@@ -61,3 +61,23 @@ def test_summary_from_the_local_chunk_stage_is_bitwise_the_fragments():
         M2, B2 = be.summary_of(prepared, seg, need_b=True)
         M3, B3 = be.summary_of(prepared, seg, need_b=False)
         assert torch.equal(M1, M2) and torch.equal(B1, B2) and torch.equal(M1, M3) and B3 is None
+
+
+@pytest.mark.parametrize("overlap", ["1", "0"])
+def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
+    """CudaBackend.replay (the forward walk beside the walk for D) against forward(keep=True) then
+    state_grads on the same prepared chunk stage: D, and the backward from either context, bitwise."""
+    monkeypatch.setenv("KDA_AOT_REPLAY_OVERLAP", overlap)
+    lens, H = [65, 1, 300, 700], 2
+    q, k, v, g, beta, cu, states = make(lens, H, "rand", rng(("cp-replay", overlap)), True)
+    cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
+    do, dfin = torch.randn_like(q), torch.randn_like(states)
+    _, _, ctx_a = cuda.forward(q, k, v, g, beta, cu_local, states, scale, keep=True,
+                               prepared=cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True))
+    d_a = cuda.state_grads(ctx_a, do, dfin)
+    ctx_b, d_b = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, dfin)
+    assert torch.equal(d_a, d_b)
+    for x, y in zip(cuda.backward(ctx_a, do, dfin), cuda.backward(ctx_b, do, dfin)):
+        assert torch.equal(x, y)
+    ctx_c, none = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, None)
+    assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])

@@ -24,10 +24,15 @@ states:
         exchange so that it overlaps the wait; then summary_of(prepared, segment, need_b) ->
         (M, B or None) replaces summary for local segments, and forward(..., prepared=prepared)
         runs only the rest. All bitwise the same as without it.
+    replay(prepared, states, do, dfinals) -> (ctx, dstates or None)                  (optional)
+        the replay backward's forward(keep=True) on a prepared chunk stage and, when dfinals is
+        given, state_grads(ctx, do, dfinals) — in any order or concurrently; bitwise the same as
+        the two calls. Used only in "replay" mode and only when prepare returned a result.
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
 the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
-state walk alone (its d_initial_state is the one the full backward returns).
+state walk alone (its d_initial_state is the one the full backward returns), replay = the forward
+walk (no output) beside the backward state walk (kda.replay_walks).
 """
 from __future__ import annotations
 
@@ -132,10 +137,9 @@ class CudaBackend:
         by side (kda.replay_walks). Returns (saved context, D or None): the same bits as forward()
         then state_grads()."""
         from ..kda import replay_walks
-        walk = replay_walks(prepared, states.to(torch.float32).contiguous(),
-                            None if dfinals is None else do.to(torch.bfloat16).contiguous(),
-                            None if dfinals is None else dfinals.to(torch.float32).contiguous())
-        saved, bwd = walk
+        saved, bwd = replay_walks(prepared, states.to(torch.float32).contiguous(),
+                                  None if dfinals is None else do.to(torch.bfloat16).contiguous(),
+                                  None if dfinals is None else dfinals.to(torch.float32).contiguous())
         return saved, (None if bwd is None else bwd[1])
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):

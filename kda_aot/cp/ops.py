@@ -7,7 +7,8 @@ Forward (per call, on every rank of the group, in the same order):
 Backward (mirrors it, see summaries.py for the maths and why no gradient through M is needed):
     the local entering-state gradients with dS_out = 0, D (only where a fragment's entering-state
     gradient is wanted by a fragment before it; the backend's state walk alone, so that the
-    ranks waiting for D start their backward early) -> exchange (M, D) -> compose dS_out of every
+    ranks waiting for D start their backward early; in replay mode a backend with a `replay`
+    hook runs it beside the replayed forward walk) -> exchange (M, D) -> compose dS_out of every
     local fragment -> local backward with the true dS_out -> grads of q, k, v, g, beta (and
     initial_state).
 
