@@ -31,7 +31,7 @@ timeout $(cap 60) python3 -m pytest -q -rs tests/test_cp_nccl_cuda.py > "$W/pyte
 stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
 (
   export CUDA_VISIBLE_DEVICES=0
-  timeout $(cap 220) python3 -X faulthandler -m pytest -q -rs tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py \
+  timeout $(cap 250) python3 -X faulthandler -m pytest -q -rs tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py \
     tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py tests/test_conv_gpu.py tests/test_graph_gpu.py \
     > "$W/pytest.log" 2>&1
   stamp "A: tests: $(tail -1 "$W/pytest.log")"
