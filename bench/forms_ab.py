@@ -19,17 +19,6 @@ from kda_aot.kda import (BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd
                          chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare)
 
 
-def built(program, forms):
-    out = []
-    for form in forms:
-        try:
-            registry.library(program, form)
-            out.append(form)
-        except registry.RecordError:
-            pass
-    return out
-
-
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     pack = sys.argv[2] if len(sys.argv) > 2 else "Q1"
@@ -37,7 +26,7 @@ def main():
     q, k, v, g, beta, cu = inputs(PACKS[pack], H)
     cu = cu.cpu()
     if what in ("chunk", "all"):
-        forms = built("kda_fwd_chunk", CHUNK_FORMS)
+        forms = registry.built_forms("kda_fwd_chunk", CHUNK_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
                                                               chunk_form=f)) for f in forms}, iters=9, warmup=2)
         print(f"{pack} H={H} kda_fwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
@@ -45,7 +34,7 @@ def main():
     do = torch.randn_like(q)
     if what in ("bwd", "all"):
         dtape, _ = chunk_kda_bwd_walk(saved, do)
-        forms = built("kda_bwd_chunk", BWD_CHUNK_FORMS)
+        forms = registry.built_forms("kda_bwd_chunk", BWD_CHUNK_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd_chunk(saved, do, dtape, form=f)) for f in forms},
                          iters=9, warmup=2)
         print(f"{pack} H={H} kda_bwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
@@ -53,7 +42,7 @@ def main():
     if what in ("replay", "all"):
         replay_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("gate", "all"):
-        forms = built("kda_bwd_gate", GATE_FORMS)
+        forms = registry.built_forms("kda_bwd_gate", GATE_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
         print(f"{pack} H={H} chunk_kda_bwd: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 

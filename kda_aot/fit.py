@@ -92,9 +92,9 @@ def mixed_makespan(chain_lengths: tuple, heads: int, sm_count: int, split: set, 
     """Predicted makespan with the segments in `split` split (each split CTA alone on its SM) and the
     rest full on the SMs left over; None when they do not fit so (no SM left for the full chains)."""
     free = sm_count - 2 * len(split) * heads
-    full = [float(n) for s, n in enumerate(chain_lengths) if s not in split for _ in range(heads)]
     if free <= 0 or not split:
         return None
+    full = [float(n) for s, n in enumerate(chain_lengths) if s not in split for _ in range(heads)]
     return max(rho_alone * max(chain_lengths[s] for s in split), makespan(full, free))
 
 

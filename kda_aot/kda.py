@@ -246,8 +246,6 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
 
 
-
-
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
@@ -331,21 +329,19 @@ def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
     return groups
 
 
-def replay_walks(prepared: dict, initial_state, dout, dfinal_state, *, overlap=None):
+def replay_walks(prepared: dict, initial_state, dout, dfinal_state):
     """The replay's two walks over a chunk stage prepared with save_tape: the forward walk (tape and
     V', no output) and, when `dout` is given, the backward walk (dtape, d_initial_state) — which reads
     only the chunk stage's outputs — side by side: the forward walk on a side stream, each planned on
     half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
     [dtape, d_initial_state] or None). Bitwise the same as the walks one after the other
-    (overlap=False, or KDA_AOT_REPLAY_OVERLAP=0, for A/B runs)."""
+    (KDA_AOT_REPLAY_OVERLAP=0, for A/B runs)."""
     q = prepared["q"]
     T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
     out = {"tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32),
            "vnew": torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
-    if overlap is None:
-        overlap = os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") != "0"
-    if not overlap or dout is None:
+    if dout is None or os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") == "0":
         _, _, saved = chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
                                      want_output=False)
         walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state))

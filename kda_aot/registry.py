@@ -77,3 +77,18 @@ def library(program: str, form: str = "default"):
         raise RecordError(f"{name}: the built library is stale (it holds record {getattr(mod, 'RECORD', '?')} "
                           f"for {getattr(mod, 'ARCH', '?')}); rebuild with `{hint}`")
     return mod
+
+
+def built_forms(program: str, forms=None) -> list[str]:
+    """The forms of `program` (all its records', or those of `forms`, in that order) whose libraries
+    are built here and current: benchmarks and A/B scripts time what is there."""
+    if forms is None:
+        forms = [r["form"] for r in records() if r["program"] == program]
+    out = []
+    for form in forms:
+        try:
+            library(program, form)
+            out.append(form)
+        except RecordError:
+            pass
+    return out

@@ -11,7 +11,7 @@ import torch
 from conftest import SEED, gpu
 from kda_aot import reference
 from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
-from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, rel_rms, require_form, rng
+from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, poisoned, rel_rms, require_form, rng
 
 pytestmark = gpu
 
@@ -232,9 +232,8 @@ def test_bwd_walk_forms_are_bitwise_equal(chains, H, form):
     dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-forms-do", chains, H, form))).to(torch.bfloat16)
     dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("bwd-forms-dht", chains, H, form)))
     full = chunk_kda_bwd_walk(saved, dout, dht, tape_form="full")
-    nan = lambda x: torch.full_like(x, float("nan"))  # noqa: E731
     other = chunk_kda_bwd_walk(saved, dout, dht, tape_form=form,
-                               out={"dtape": nan(full[0]), "dinitial_state": nan(full[1])})
+                               out={"dtape": poisoned(full[0]), "dinitial_state": poisoned(full[1])})
     assert torch.equal(full[0], other[0]) and torch.equal(full[1], other[1])
 
 
@@ -256,10 +255,10 @@ def test_mixed_walk_plans_are_bitwise_the_uniform_walk(monkeypatch, plan):
     ref_b = chunk_kda_bwd_walk(ref[2], dout, dht, tape_form="full")
     calls = []
     monkeypatch.setattr(fit, "plan_walk", lambda program, *args, **kw: calls.append(program) or plan)
-    nan = lambda x: torch.full_like(x, float("nan"))  # noqa: E731  (every output poisoned)
     mix = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                        save_tape=True, out={"o": nan(ref[0]), "final_state": nan(ref[1])})
-    mix_b = chunk_kda_bwd_walk(mix[2], dout, dht, out={"dtape": nan(ref_b[0]), "dinitial_state": nan(ref_b[1])})
+                        save_tape=True, out={"o": poisoned(ref[0]), "final_state": poisoned(ref[1])})
+    mix_b = chunk_kda_bwd_walk(mix[2], dout, dht,
+                               out={"dtape": poisoned(ref_b[0]), "dinitial_state": poisoned(ref_b[1])})
     assert calls == ["kda_fwd_tape", "kda_bwd_tape"]  # the plan was the one launched
     assert torch.equal(ref[0], mix[0]) and torch.equal(ref[1], mix[1])
     assert torch.equal(ref[2]["tape"], mix[2]["tape"]) and torch.equal(ref[2]["vnew"], mix[2]["vnew"])
