@@ -15,9 +15,9 @@ fi
 # Triton's cache (FLA's compiled kernels and autotuning results) from an earlier call, when carried:
 # FLA's autotuning otherwise takes minutes of every fresh machine.
 if [ -f .triton_cache.tgz ]; then mkdir -p "$HOME/.triton" && tar xzf .triton_cache.tgz -C "$HOME/.triton"; fi
-# save_triton_cache: Triton's cache into $OUT for the next call to carry (when it fits in 15 MB).
+# save_triton_cache: Triton's cache into $OUT for the next call to carry (when it fits in 40 MB).
 save_triton_cache() {
   [ -d "$HOME/.triton/cache" ] || return 0
   tar czf /tmp/triton_cache.tgz -C "$HOME/.triton" cache
-  if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt 15000000 ]; then cp /tmp/triton_cache.tgz "$OUT/"; fi
+  if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt 40000000 ]; then cp /tmp/triton_cache.tgz "$OUT/"; fi
 }

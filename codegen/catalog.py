@@ -72,16 +72,19 @@ RECORDS: tuple[Record, ...] = (
     Record(program=_FWD, form="short_tiles",
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
-    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False},
-           select="always (the shipped form)",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
+    # Measured against each other (bench/forms_ab.py chunk, 2026-11-30, Q1 H = 32, chunk stage alone):
+    # default 16.04 ms, balanced 14.14; bitwise equal (GPU tests), so balanced ships.
     Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True},
-           select="tests and benchmarks only until measured against `default` (bitwise equal to it): Akk/Aqk "
-                  "tiles spread so no warp builds more than 32 operand exps per lane and k-step, the diagonal "
-                  "forward substitution with its column in registers",
-           grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table",
+           select="always (the shipped form): Akk/Aqk tiles spread so no warp builds more than 32 operand "
+                  "exps per lane and k-step, the diagonal forward substitution with its column in registers",
+           grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table"),
+    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False},
+           select="tests and benchmarks only: the first schedule (warp w builds the Akk/Aqk tiles of its own "
+                  "rows), kept to check `balanced` bitwise against it",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
            shipped=False),
     # Walk forms (issue 5), measured on the H200 (bench/measure_rho.py, 2026-11-30, 256-chunk chains):
+    # quarter over full 2.0-2.5x with at most SM/4 chains (rho_quarter_alone 0.40 fwd, 0.47 bwd): it ships too.
     # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
     # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/fit.py,
     # kda_aot/fit_params.json) picks per launch.
@@ -92,10 +95,9 @@ RECORDS: tuple[Record, ...] = (
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
     Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1},
-           select="tests and measurements only (issue 5's third record): four CTAs per chain over 32 value columns "
-                  "each, bitwise equal to `full`; enters the fit rule once measure_rho shows where it wins",
-           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each",
-           shipped=False),
+           select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
+                  "bitwise equal to `full`",
+           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
     # The backward and the CP transfer walk: GPU tests passed (bench/NOTES.md, 2026-11-30), shipped.
     Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
@@ -104,24 +106,26 @@ RECORDS: tuple[Record, ...] = (
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
     Record(program="kda_bwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1},
-           select="tests and measurements only (issue 5's third record): four CTAs per chain over 32 value columns "
-                  "each, bitwise equal to `full`; enters the fit rule once measure_rho shows where it wins",
-           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each",
-           shipped=False),
+           select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
+                  "bitwise equal to `full`",
+           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
+    # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,
+    # prefetch 15.40, wide 15.46; prefetch is bitwise equal to default (GPU tests), so it ships.
     Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
-           select="tests and benchmarks only until measured against `default` (bitwise equal to it): the fp32 "
-                  "state tapes read eight rows per warp at a time, loads issued before use",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
-           shipped=False),
+           select="always (the plain-product half of the chunk-parallel backward): the fp32 state tapes read "
+                  "eight rows per warp at a time, loads issued before use",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
     Record(program="kda_bwd_chunk", form="wide", params={"threads": 512, "prefetch": True},
-           select="tests and benchmarks only until measured against `default`: sixteen warps (4 row blocks x 4 "
+           select="tests and benchmarks only (measured: no faster than prefetch, 15.46 vs 15.40 ms): sixteen warps (4 row blocks x 4 "
                   "column groups) in the same shared memory, tapes prefetched; bitwise equal to it except dbeta_v "
                   "(its partial sums regroup: fp32 rounding)",
            grid="(n_chunks, H) CTAs of 512 threads; warp w = (rows 16 (w % 4) .., column quarter w / 4)",
            shipped=False),
     Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False},
-           select="always (the plain-product half of the chunk-parallel backward)",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
+           select="tests and benchmarks only: the tapes read as they are used; kept to check `prefetch` "
+                  "bitwise against it",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
+           shipped=False),
     # The gated half: four forms from one template, measured against each other (bench/forms_ab.py gate,
     # 2026-11-30, Q1 H = 32, whole chunk_kda_bwd: full 64.2 ms, full_staged 63.5, split 50.4,
     # split_staged 45.6): two CTAs per SM with the bf16 inputs in shared memory ship.
@@ -148,7 +152,8 @@ RECORDS: tuple[Record, ...] = (
            shipped=False),
     Record(program="kda_bwd_gate", form="split_horner",
            params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False, "anchoring": "horner"},
-           select="tests and benchmarks only until measured against split_staged: the gated operands built "
+           select="tests and benchmarks only (measured 2026-11-30, whole backward Q1 H = 32: 53.1 ms against "
+                  "split_staged's 47.8): the gated operands built "
                   "once per CTA in shared memory, block decays carried on the accumulator (no exps per k-step); "
                   "fp64 bounds, not bitwise (another rounding)",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "

@@ -26,11 +26,11 @@ import logging
 import os
 from pathlib import Path
 
-# quarter (four CTAs of 32 columns, test-only) is a knob value for tests and measurements; `auto`
-# considers it only for a program whose fit_params entry has rho_quarter_alone and a quarter record
-# that ships (QUARTER_SHIPPED), and only when every quarter CTA gets an SM of its own.
+# quarter (four CTAs of 32 columns): `auto` considers it only for a program whose fit_params entry
+# has rho_quarter_alone and whose quarter record ships (QUARTER_SHIPPED, checked against build.json
+# by tests/test_fit.py), and only when every quarter CTA gets an SM of its own.
 FORMS = ("full", "split", "quarter")
-QUARTER_SHIPPED: frozenset = frozenset()  # programs whose quarter record is in build.json
+QUARTER_SHIPPED: frozenset = frozenset({"kda_fwd_tape", "kda_bwd_tape"})  # quarter in build.json
 KNOBS = ("auto",) + FORMS
 PARAMS_FILE = Path(__file__).with_name("fit_params.json")
 log = logging.getLogger("kda_aot.fit")

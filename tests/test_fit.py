@@ -114,7 +114,16 @@ def test_quarter_step_cost_is_read_only_where_quarter_ships(monkeypatch, tmp_pat
     params = tmp_path / "fit_params.json"
     params.write_text('{"programs": {"kda_fwd_tape": {"rho": 1.15, "rho_alone": 0.62, "rho_quarter_alone": 0.4}}}')
     monkeypatch.setattr(fit, "PARAMS_FILE", params)
+    monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset())
     assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, None)       # quarter not shipped: ignored
     monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset({"kda_fwd_tape"}))
     fit.measured_rho.cache_clear()
     assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, 0.4)
+
+
+def test_quarter_shipped_matches_the_wheel_manifest():
+    """QUARTER_SHIPPED names exactly the programs whose quarter record build.json ships."""
+    import json
+    from pathlib import Path
+    shipped = json.loads((Path(__file__).parents[1] / "build.json").read_text())["records"]
+    assert fit.QUARTER_SHIPPED == {r["program"] for r in shipped if r["form"] == "quarter"}

@@ -40,13 +40,15 @@ def main(argv=None) -> int:
     else:
         from . import single
         packs = list(PACKS) if args.pack == "all" else args.pack.split(",")
-        for pack in packs:  # rows written pack by pack: a run cut short keeps what it measured
-            rows = single.run(packs=(pack,), H=args.heads, iters=args.iters,
-                              boundaries=tuple(args.boundary.split(",")), with_fla=not args.no_fla,
-                              walk_forms=tuple(args.walk_forms.split(",")))
+        path = None
+
+        def on_rows(rows):  # written as measured: a run cut short keeps what it measured
+            nonlocal path
             path = write_rows(rows, args.suite, args.out)
             for r in rows:
                 print(json.dumps(r, sort_keys=True), flush=True)
+        single.run(packs=packs, H=args.heads, iters=args.iters, boundaries=tuple(args.boundary.split(",")),
+                   with_fla=not args.no_fla, walk_forms=tuple(args.walk_forms.split(",")), on_rows=on_rows)
     print(f"rows written to {path}")
     return 0
 

@@ -75,10 +75,17 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
 
 
 def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"), with_fla=True,
-        walk_forms=("auto",)) -> list[dict]:
+        walk_forms=("auto",), on_rows=None) -> list[dict]:
     """walk_forms: one kda_aot arm per fit-rule knob value ("kda_aot" = auto, "kda_aot@full", ...),
-    interleaved with each other and with FLA (issue 5: auto vs forced full)."""
+    interleaved with each other and with FLA (issue 5: auto vs forced full). on_rows(rows) is called
+    after each (pack, boundary, mode), so a run cut short keeps what it measured."""
     rows = []
+
+    def emit(new):
+        if on_rows is not None:
+            on_rows(new)
+        return new
+
     fla = fla_chunk_kda() if with_fla else None
     names = {wf: "kda_aot" if wf == "auto" else f"kda_aot@{wf}" for wf in walk_forms}
     for pack in packs:
@@ -90,7 +97,7 @@ def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"
                     for wf in walk_forms}
             if fla is not None:
                 arms["fla"] = lambda: fla(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu64)
-            rows += _rows(pack, H, "fwd", "none", *_measure(arms, iters))
+            rows += emit(_rows(pack, H, "fwd", "none", *_measure(arms, iters)))
         if "fwdbwd" in boundaries:
             leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]  # no copies: H = 64 is tight
             do = torch.randn_like(v)
@@ -100,7 +107,7 @@ def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"
                         for wf in walk_forms}
                 if fla is not None:
                     arms["fla"] = _fwdbwd(lambda: fla(*leaves, cu_seqlens=cu64)[0], leaves, do)
-                rows += _rows(pack, H, "fwdbwd", mode, *_measure(arms, iters))
+                rows += emit(_rows(pack, H, "fwdbwd", mode, *_measure(arms, iters)))
             del leaves, do
         del q, k, v, g, beta, cu, cu64
         torch.cuda.empty_cache()
