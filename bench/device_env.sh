@@ -15,9 +15,12 @@ fi
 # Triton's cache (FLA's compiled kernels and autotuning results) from an earlier call, when carried:
 # FLA's autotuning otherwise takes minutes of every fresh machine.
 if [ -f .triton_cache.tgz ]; then mkdir -p "$HOME/.triton" && tar xzf .triton_cache.tgz -C "$HOME/.triton"; fi
-# save_triton_cache: Triton's cache into $OUT for the next call to carry (when it fits in 40 MB).
+# save_triton_cache: Triton's cache into $OUT for the next call to carry, in parts of 15 MB ($OUT
+# returns files of at most 16 MiB; 3 parts at most): here `cat triton_cache.part-* > .triton_cache.tgz`.
 save_triton_cache() {
   [ -d "$HOME/.triton/cache" ] || return 0
   tar czf /tmp/triton_cache.tgz -C "$HOME/.triton" cache
-  if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt 40000000 ]; then cp /tmp/triton_cache.tgz "$OUT/"; fi
+  if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt 45000000 ]; then
+    split -b 15000000 -d -a 1 /tmp/triton_cache.tgz "$OUT/triton_cache.part-"
+  fi
 }

@@ -7,9 +7,8 @@
 #              rank dumps its Python stack if it is stuck (KDA_AOT_DUMP_AFTER).
 #   then side by side:
 #     GPU 0: the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
-#            benchmark, auto and full, FLA interleaved), CP1=1: the CP1 benchmark (contiguous),
-#            H64=1: Q1 at H = 64 with FLA;
-#     GPU 1: SINGLE_B.
+#            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 with FLA;
+#     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack).
 # Defaults: CP2_PACKS=all CP2_S=340 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A and TESTS_FROM unset.
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -51,10 +50,6 @@ fi
     timeout $(cap 240) python3 -m kda_aot.bench single --pack "$SINGLE_A" --iters 10 --walk-forms auto,full \
       --out "$W/single" > "$W/single_a.log" 2>&1; stamp "A: single $SINGLE_A rc $?"
   fi
-  if [ "$CP1" = 1 ]; then
-    timeout $(cap 120) torchrun --nproc-per-node 1 -m kda_aot.bench cp --pack all --iters 5 --layouts contiguous \
-      --walk-forms auto,full --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "A: cp1 rc $?"
-  fi
   if [ "$H64" = 1 ]; then
     timeout $(cap 90) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
       --out "$W/h64" > "$W/h64.log" 2>&1; stamp "A: single H=64 rc $?"
@@ -65,6 +60,10 @@ fi
   if [ -n "$SINGLE_B" ]; then
     timeout $(cap 300) python3 -m kda_aot.bench single --pack "$SINGLE_B" --iters 5 --walk-forms auto,full \
       --out "$W/single" > "$W/single_b.log" 2>&1; stamp "B: single $SINGLE_B rc $?"
+  fi
+  if [ "$CP1" = 1 ]; then
+    timeout $(cap 150) torchrun --nproc-per-node 1 -m kda_aot.bench cp --pack all --iters 5 --layouts contiguous \
+      --walk-forms auto,full --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "B: cp1 rc $?"
   fi
 ) &
 wait

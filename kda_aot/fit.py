@@ -2,14 +2,22 @@
 
 A walk launch is a set of chains (one per (segment, head)), each `n` chunks long. `full` runs one
 CTA per chain and one CTA per SM; `split` runs two CTAs per chain (64 value columns each) and two
-CTAs per SM. A split step costs `rho` of a full step when two split CTAs share an SM, and
-`rho_alone` when the launch has at most one split CTA per SM (2 x chains <= SMs: the block
-scheduler spreads them, each has its SM to itself). List-schedule the chains longest first on the
-slots of each form and take the form with the shorter predicted makespan (ties keep `full`).
+CTAs per SM; `quarter` four CTAs of 32 columns, each alone on its SM. A split step costs `rho` of a
+full step when two split CTAs share an SM, and `rho_alone` when the launch has at most one split
+CTA per SM (2 x chains <= SMs: the block scheduler spreads them, each has its SM to itself).
+List-schedule the chains on the slots of each form and take the form with the shorter predicted
+makespan (ties keep `full`).
+
+The chains are scheduled in the order the GPU takes them: the block scheduler hands out a launch's
+CTAs in blockIdx order (segment fastest, then head, then column group) to whichever slot frees
+first; it does not sort them longest first. The two orders agree while every chain gets a slot at
+once; they part when chains queue: on Q1 at H = 32 a longest-first model predicted a mixed plan
+23 % faster than full, the H200 ran it 8 % slower (bench/NOTES.md), and launch order predicts it.
 
 A launch may also mix the forms: the k longest documents split (each split CTA alone on its SM,
 `rho_alone`), the others full on the SMs left over. The walk then runs as one launch per run of
-consecutive segments of one form, each on its own stream so that they overlap (at most MAX_RUNS).
+consecutive segments of one form, each on its own stream so that they overlap (at most MAX_RUNS;
+split runs first, then the full runs in segment order: the order their CTAs are taken in).
 Every chain computes the same values in either form, so any plan gives bitwise the same result.
 
 Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json);
@@ -37,24 +45,31 @@ log = logging.getLogger("kda_aot.fit")
 
 
 def makespan(chain_steps: list[float], slots: int) -> float:
-    """Longest-first list scheduling of chains (their step counts) on `slots` identical slots."""
+    """List scheduling of chains (their step costs) on `slots` identical slots in the order given:
+    each chain starts on the slot that frees first (the block scheduler's rule)."""
     if not chain_steps:
         return 0.0
     loads = [0.0] * max(1, slots)
-    for steps in sorted(chain_steps, reverse=True):
+    for steps in chain_steps:
         heapq.heappush(loads, heapq.heappop(loads) + steps)
     return max(loads)
+
+
+def launch_order(chain_lengths, heads: int, first: int = 0, end: int | None = None) -> list[float]:
+    """The chains of a launch over segments [first, end) in blockIdx order: segment fastest, then head."""
+    seg = [float(n) for n in chain_lengths[first:end]]
+    return [n for _ in range(heads) for n in seg]
 
 
 def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_alone: float | None = None,
               rho_quarter_alone: float | None = None) -> dict:
     """Predicted makespans, in full-form chunk steps, of the uniform forms for one launch (quarter
     only when its step cost is given and each of its CTAs gets an SM of its own)."""
-    chains = [float(n) for n in chain_lengths for _ in range(heads)]
+    chains = launch_order(chain_lengths, heads)
     if rho_alone is not None and 2 * len(chains) <= sm_count:
         split = rho_alone * max(chains, default=0.0)  # one split CTA per SM
-    else:  # every chain becomes two half-width chains of rho-cost steps, two slots per SM
-        split = makespan([rho * n for n in chains for _ in range(2)], 2 * sm_count)
+    else:  # two half-width CTAs per chain (column group slowest in blockIdx), two slots per SM
+        split = makespan([rho * n for n in chains] * 2, 2 * sm_count)
     spans = {"full": makespan(chains, sm_count), "split": split}
     if rho_quarter_alone is not None and 4 * len(chains) <= sm_count:
         spans["quarter"] = rho_quarter_alone * max(chains, default=0.0)
@@ -90,11 +105,13 @@ def runs_of(forms: list) -> tuple:
 
 def mixed_makespan(chain_lengths: tuple, heads: int, sm_count: int, split: set, rho_alone: float):
     """Predicted makespan with the segments in `split` split (each split CTA alone on its SM) and the
-    rest full on the SMs left over; None when they do not fit so (no SM left for the full chains)."""
+    rest full on the SMs left over, the full runs' CTAs taken in launch order; None when they do
+    not fit so (no SM left for the full chains)."""
     free = sm_count - 2 * len(split) * heads
     if free <= 0 or not split:
         return None
-    full = [float(n) for s, n in enumerate(chain_lengths) if s not in split for _ in range(heads)]
+    runs = runs_of(["split" if s in split else "full" for s in range(len(chain_lengths))])
+    full = [n for form, a, b in runs if form == "full" for n in launch_order(chain_lengths, heads, a, b)]
     return max(rho_alone * max(chain_lengths[s] for s in split), makespan(full, free))
 
 
