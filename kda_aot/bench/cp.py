@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,7 +71,7 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
         layouts=LAYOUTS) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
-    rows = []
+    rows, t_start = [], time.monotonic()
     fla = fla_kda()
     torch.manual_seed(1234)  # the same module weights on every rank
     module = PackedKDA(H, HEAD_DIM, backend="cuda", backward="replay").to(dev)
@@ -131,6 +133,7 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                                **extra))
             if rank == 0:  # written layout by layout: a run cut short keeps what it measured
                 write_rows(new, f"cp{world}", out_dir)
+                print(f"[{time.monotonic() - t_start:.0f} s] {pack} {layout}: {len(new)} rows", file=sys.stderr, flush=True)
             rows += new
             del q, k, v, gl, bl, do, leaves
         del xs, g, beta
@@ -152,9 +155,9 @@ def main(argv=None) -> int:
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
         p.error(f"--layouts: expected a subset of {LAYOUTS}, got {args.layouts}")
-    if os.environ.get("KDA_AOT_DUMP_AFTER"):  # a stuck run prints every rank's Python stack, then exits
-        import faulthandler
-        faulthandler.dump_traceback_later(float(os.environ["KDA_AOT_DUMP_AFTER"]), exit=True)
+    if os.environ.get("KDA_AOT_DUMP_AFTER"):  # a stuck run prints every rank's Python stack and goes on
+        import faulthandler  # (no exit: the first rank to exit would get the others killed before their dump)
+        faulthandler.dump_traceback_later(float(os.environ["KDA_AOT_DUMP_AFTER"]), exit=False)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     try:
