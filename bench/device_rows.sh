@@ -9,7 +9,8 @@
 #     GPU 0: the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
 #            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 with FLA;
 #     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack).
-# Defaults: CP2_PACKS=all CP2_S=340 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A and TESTS_FROM unset.
+# Defaults: CP2_PACKS=all CP2_S=340 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
+# CP2_ARGS passes more arguments to the CP2 benchmark (e.g. "--layouts zigzag --no-fla").
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # Every step's timeout is capped by what is left before the deadline, so the call ends in time.
@@ -34,7 +35,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$W/cp" "$W/single" "$W/h64"
 if [ -n "$CP2_PACKS" ]; then
   KDA_AOT_DUMP_AFTER=$(( ${CP2_S:-340} - 30 )) timeout $(cap ${CP2_S:-340}) torchrun --nproc-per-node 2 -m kda_aot.bench cp \
-    --pack "$CP2_PACKS" --iters 5 --walk-forms auto,full --out "$W/cp" > "$W/cp2.log" 2>&1
+    --pack "$CP2_PACKS" --iters 5 --walk-forms auto,full --out "$W/cp" ${CP2_ARGS:-} > "$W/cp2.log" 2>&1
   stamp "cp2 rc $?"
 fi
 (

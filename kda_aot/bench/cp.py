@@ -68,11 +68,11 @@ def fla_kda():
 
 
 def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",),
-        layouts=LAYOUTS) -> list[dict]:
+        layouts=LAYOUTS, with_fla=True) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows, t_start = [], time.monotonic()
-    fla = fla_kda()
+    fla = fla_kda() if with_fla else None
     torch.manual_seed(1234)  # the same module weights on every rank
     module = PackedKDA(H, HEAD_DIM, backend="cuda", backward="replay").to(dev)
     for pack in packs:
@@ -122,7 +122,12 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             times = {key: [] for key in arms}
             for _ in range(iters):  # interleaved: each round times every arm once
                 for key, fn in arms.items():
-                    times[key].append(slowest_rank_ms(fn, 1, warmup=0 if times[key] else 2))
+                    first = not times[key]
+                    t_arm = time.monotonic()
+                    times[key].append(slowest_rank_ms(fn, 1, warmup=2 if first else 0))
+                    if first and rank == 0:  # warm-ups included: FLA's autotuning shows here
+                        print(f"[{time.monotonic() - t_start:.0f} s] {pack} {layout} {key[0]} {key[1]}: first call "
+                              f"{time.monotonic() - t_arm:.1f} s", file=sys.stderr, flush=True)
             phases = _phases_by_rank(b3, iters=3)
             new = []
             for (arm, boundary), ts in times.items():
@@ -151,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--walk-forms", default="auto", help="fit-rule knob per kda_aot arm, e.g. auto,full")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
+    p.add_argument("--no-fla", action="store_true", help="leave out flash-linear-attention's CP arm")
     args = p.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
@@ -162,7 +168,7 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl")
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
-                   walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts)
+                   walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))
