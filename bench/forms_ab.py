@@ -4,9 +4,12 @@
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
          (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
-         split_horner) timing the whole chunk_kda_bwd.
-    python bench/forms_ab.py [chunk|bwd|gate|replay|all] [pack] [heads]
+         split_horner) timing the whole chunk_kda_bwd;
+  pipeline: the forward (chunk_kda_fwd, output and final state) pipelined (a segment group's walk
+         beside the later groups' chunk stage) and in the plain order, and a saved-mode training step.
+    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack] [heads]
 """
+import os
 import sys
 
 import torch
@@ -41,6 +44,8 @@ def main():
         del dtape
     if what in ("replay", "all"):
         replay_ab(q, k, v, g, beta, cu, pack, H)
+    if what in ("pipeline", "all"):
+        pipeline_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("gate", "all"):
         forms = registry.built_forms("kda_bwd_gate", GATE_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
@@ -48,7 +53,6 @@ def main():
 
 
 def replay_ab(q, k, v, g, beta, cu, pack, H):
-    import os
     from kda_aot.kda import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
@@ -65,6 +69,29 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
         return run
     ms = interleaved({"walks side by side": step("1"), "one after the other": step("0")}, iters=7, warmup=1)
     print(f"{pack} H={H} replay step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+
+
+def pipeline_ab(q, k, v, g, beta, cu, pack, H):
+    from kda_aot.kda import chunk_kda
+    ms = interleaved({p: (lambda p=p: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
+                                                    pipeline=p == "pipelined"))
+                      for p in ("pipelined", "plain")}, iters=9, warmup=2)
+    print(f"{pack} H={H} forward: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+    do = torch.randn_like(q)
+
+    def step(flag):
+        def run():
+            os.environ["KDA_AOT_PIPELINE"] = flag
+            try:
+                for x in leaves:
+                    x.grad = None
+                chunk_kda(*leaves, cu_seqlens=cu, backward="saved")[0].backward(do)
+            finally:
+                del os.environ["KDA_AOT_PIPELINE"]
+        return run
+    ms = interleaved({"pipelined": step("1"), "plain": step("0")}, iters=7, warmup=1)
+    print(f"{pack} H={H} saved step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 
 if __name__ == "__main__":

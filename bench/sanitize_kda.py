@@ -28,6 +28,9 @@ _, _, mixed = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, o
                             save_tape=True)
 chunk_kda_bwd(mixed, do, dht)
 fit.plan_walk = plan_walk
+# the pipelined forward: chunk-stage launches over chunk ranges, each group's walk on a side stream
+chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
+              pipeline=True)
 from kda_aot.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
@@ -38,12 +41,12 @@ runs = {
     "kda_fwd_tape/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
                                                   output_final_state=True, save_tape=True, tape_form="quarter"),
     "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, tape_form="quarter"),
-    "kda_fwd_chunk/balanced": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
-                                                        chunk_form="balanced"),
+    "kda_fwd_chunk/default": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
+                                                       chunk_form="default"),
 }
 for form in ("full", "full_staged", "split", "split_horner"):
     runs[f"kda_bwd_gate/{form}"] = lambda form=form: chunk_kda_bwd(saved, do, dht, gate_form=form)
-for form in ("prefetch", "wide"):
+for form in ("default", "wide"):
     runs[f"kda_bwd_chunk/{form}"] = lambda form=form: chunk_kda_bwd_chunk(saved, do, dtape, form=form)
 for name, run in runs.items():
     try:

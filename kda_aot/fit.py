@@ -153,3 +153,30 @@ def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, knob: str 
         log.debug("launch %s %s chains=%d", program,
                   " ".join(f"{form}[{a}:{b}]" for form, a, b in plan), len(chain_lengths) * heads)
     return plan
+
+
+PIPELINE_GROUPS = 4  # chunk-stage launches of a pipelined forward (each followed by its walk)
+
+
+def plan_pipeline(chain_lengths) -> tuple:
+    """Segment groups ((first, end), ...) of a pipelined forward, in launch order. The chunk stage
+    runs a group at a time and each group's walk starts, on a stream of its own, as soon as its
+    chunks are done, beside the chunk stage of the groups after it: the longest walks go first so
+    that they hide under the rest of the chunk stage. Up to PIPELINE_GROUPS segments: one group
+    each; more: PIPELINE_GROUPS contiguous runs of about equal chunk totals. One group: no pipeline."""
+    lengths = [int(n) for n in chain_lengths]
+    n = len(lengths)
+    if n < 2:
+        return ((0, n),)
+    if n <= PIPELINE_GROUPS:
+        groups = [(s, s + 1) for s in range(n)]
+    else:
+        total, groups, first, acc = sum(lengths), [], 0, 0
+        for s, length in enumerate(lengths[:-1]):
+            acc += length
+            if len(groups) < PIPELINE_GROUPS - 1 and acc * PIPELINE_GROUPS >= total * (len(groups) + 1):
+                groups.append((first, s + 1))
+                first = s + 1
+        groups.append((first, n))
+    return tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
+

@@ -72,11 +72,14 @@ def _side_streams(device: torch.device, n: int, pool: str) -> list:
 _PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state")
 
 
-def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None) -> tuple:
+def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
+                 pool=None) -> tuple:
     """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
     one launch per run of segments of one form; several runs go on side streams that fork from and
     join the current stream, so they overlap. Split runs are launched first: the fit rule assumes
-    their CTAs get SMs of their own and the full runs take the SMs left over. Returns the plan."""
+    their CTAs get SMs of their own and the full runs take the SMs left over. pool: the side-stream
+    pool (default: the program's; walks that run at the same time need pools of their own).
+    Returns the plan."""
     plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), knob)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
@@ -84,7 +87,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
         registry.library(program, plan[0][0]).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
     main = torch.cuda.current_stream(device)
-    streams = _side_streams(device, len(plan), program)
+    streams = _side_streams(device, len(plan), pool or program)
     for st in streams:
         st.wait_stream(main)
     try:
@@ -121,35 +124,49 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
     chunk_form: one of CHUNK_FORMS (default: KDA_AOT_CHUNK_FORM, else the shipped default)."""
     chunk_form = _pick_form("chunk_form", chunk_form, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
+    _launch_chunk_stage(t, chunk_form, initial_state)
+    return t
+
+
+def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape) -> dict:
+    """Checked inputs and the chunk stage's outputs, allocated (nothing launched)."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     C = tables.chunks.shape[0]
     bf16 = dict(device=q.device, dtype=torch.bfloat16)
     f32 = dict(device=q.device, dtype=torch.float32)
-    t = {
+    return {
         "q": q, "k": k, "v": v, "g": g, "beta": beta,
         "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
+        "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
+        "chain_lengths": tables.chain_lengths,  # the walks' fit rule
     }
-    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
+
+
+def _launch_chunk_stage(t: dict, chunk_form: str, initial_state, first: int = 0, end: int | None = None):
+    """kda_fwd_chunk over chunks [first, end) (all by default): the per-chunk tensors (chunks,
+    gamma) narrowed to them, the token-indexed ones whole (each chunk writes its own tokens)."""
+    part = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
+    if first != 0 or end is not None:
+        part["chunks"], part["gamma"] = t["chunks"][first:end], t["gamma"][first:end]
+    desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    registry.library("kda_fwd_chunk", chunk_form).launch(desc, scale, stream_of(q))
-    t["scale"] = scale  # the backward programs read it from the saved context
-    t["chain_lengths"] = tables.chain_lengths  # the walks' fit rule
-    return t
+    registry.library("kda_fwd_chunk", chunk_form).launch(desc, t["scale"], stream_of(t["q"]))
 
 
 def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
-                   tape_form=None, want_output=True, sm_count=None):
+                   tape_form=None, want_output=True, sm_count=None, pool=None):
     """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
     (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape).
     `out` may hold preallocated o, final_state, tape, vnew. sm_count: the SMs the fit rule plans
-    for (default: the device's; the replay plans each of its two concurrent walks on half)."""
+    for (default: the device's; the replay plans each of its two concurrent walks on half); pool: the
+    side-stream pool of a mixed plan (walks running at the same time need pools of their own)."""
     q = prepared["q"]
     T, H = q.shape[1], q.shape[2]
     N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
@@ -169,31 +186,92 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     })
     if not save_tape:
         t["akk_inv"] = None
-    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form, sm_count)
+    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form, sm_count, pool)
     return t["o"], t["final_state"], t
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, tape_form=None, want_output=True):
+                  save_tape=False, out=None, tape_form=None, want_output=True, pipeline=None):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew
     (tests poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM
     knob, else auto = the fit rule). want_output=False: the walk skips the output stage (the replay
-    backward and the CP summaries need the tape and states only; bitwise the same)."""
-    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=initial_state,
-                                 save_tape=save_tape)
-    return chunk_kda_walk(prepared, initial_state=initial_state, output_final_state=output_final_state,
-                          save_tape=save_tape, out=out, tape_form=tape_form, want_output=want_output)
+    backward and the CP summaries need the tape and states only; bitwise the same).
+    pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
+    stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: KDA_AOT_PIPELINE=1
+    turns it on; off until measured against the plain order on the GPU."""
+    chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
+    walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
+                     tape_form=tape_form, want_output=want_output)
+    if pipeline is None:
+        pipeline = os.environ.get("KDA_AOT_PIPELINE", "0") == "1"
+    groups = fit.plan_pipeline(prepared["chain_lengths"]) if pipeline else ((0, len(prepared["chain_lengths"])),)
+    if len(groups) == 1:
+        _launch_chunk_stage(prepared, chunk_form, initial_state)
+        return chunk_kda_walk(prepared, out=out, **walk_args)
+    return _fwd_pipelined(prepared, groups, chunk_form, out, **walk_args)
+
+
+def _fwd_pipelined(prepared: dict, groups, chunk_form, out, *, initial_state, output_final_state, save_tape,
+                   tape_form, want_output):
+    """chunk_kda_fwd's pipelined order: the chunk stage of each segment group on the current stream,
+    the group's walk on a side stream that waits for it (and for the groups launched before), so
+    a walk runs beside the chunk stage of the groups after it. Same kernels on the same data per
+    chunk and per chain as the plain order: bitwise the same. Outputs are allocated here, on the
+    current stream, and the side streams are joined back into it before anyone can free them."""
+    q = prepared["q"]
+    T, H = q.shape[1], q.shape[2]
+    N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
+    out = dict(out or {})
+    f32 = dict(device=q.device, dtype=torch.float32)
+    bf16 = dict(device=q.device, dtype=torch.bfloat16)
+    full = {
+        "tape": out_or(out, "tape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
+        "vnew": out_or(out, "vnew", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
+        "o": out_or(out, "o", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
+        "final_state": (out_or(out, "final_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
+                        if output_final_state else None),
+    }
+    first_chunk = [0]
+    for n in prepared["chain_lengths"]:
+        first_chunk.append(first_chunk[-1] + n)
+    main = torch.cuda.current_stream(q.device)
+    streams = _side_streams(q.device, len(groups), "pipeline")
+    try:
+        for i, ((a, b), side) in enumerate(zip(groups, streams)):
+            _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
+            side.wait_stream(main)
+            part = {name: x for name, x in full.items() if x is not None and name != "final_state"}
+            if full["final_state"] is not None:
+                part["final_state"] = full["final_state"][a:b]
+            with torch.cuda.stream(side):
+                chunk_kda_walk(segments_view(prepared, a, b),
+                               initial_state=None if initial_state is None else initial_state[a:b],
+                               output_final_state=output_final_state, save_tape=save_tape, out=part,
+                               tape_form=tape_form, want_output=want_output, pool=f"kda_fwd_tape/pipeline{i}")
+    finally:  # joined even when a launch raises: queued work may still read the caller's tensors
+        for side in streams:
+            main.wait_stream(side)
+    saved = dict(prepared, initial_state=initial_state, **full)
+    if not save_tape:
+        saved["akk_inv"] = None
+    return full["o"], full["final_state"], saved
+
+
+def segments_view(prepared: dict, first: int, end: int) -> dict:
+    """`prepared` seen as a pack of its segments [first, end) (seg_chunks narrowed to them; every
+    other tensor shared): the walks and the transfer walk then run on those segments alone."""
+    t = dict(prepared)
+    t["seg_chunks"] = prepared["seg_chunks"][first:end + 1]
+    t["chain_lengths"] = prepared["chain_lengths"][first:end]
+    return t
 
 
 def segment_view(prepared: dict, segment: int) -> dict:
-    """`prepared` seen as a pack of its one segment `segment` (seg_chunks narrowed to it; every
-    other tensor shared): the walks and the transfer walk then run on that segment alone."""
-    t = dict(prepared)
-    t["seg_chunks"] = prepared["seg_chunks"][segment:segment + 2]
-    t["chain_lengths"] = prepared["chain_lengths"][segment:segment + 1]
-    return t
+    """`prepared` seen as a pack of its one segment `segment`."""
+    return segments_view(prepared, segment, segment + 1)
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,

@@ -132,3 +132,17 @@ def test_quarter_shipped_matches_the_wheel_manifest():
     from pathlib import Path
     shipped = json.loads((Path(__file__).parents[1] / "build.json").read_text())["records"]
     assert fit.QUARTER_SHIPPED == {r["program"] for r in shipped if r["form"] == "quarter"}
+
+
+def test_pipeline_groups():
+    """Up to four segments: one group each; more: four contiguous runs of about equal chunk totals;
+    launch order longest walk first; one segment: no pipeline."""
+    assert fit.plan_pipeline((1585, 641, 1216, 465)) == ((0, 1), (2, 3), (1, 2), (3, 4))
+    assert fit.plan_pipeline((700,)) == ((0, 1),)
+    assert fit.plan_pipeline((1025, 193, 1563, 487, 625, 205)) == ((1, 3), (0, 1), (4, 6), (3, 4))
+    groups = fit.plan_pipeline([3] * 500)
+    assert sorted(groups) == [(0, 125), (125, 250), (250, 375), (375, 500)]
+    for lengths in ([5, 1, 1, 1, 1, 1, 1, 1, 9], [1] * 7, [100] + [1] * 20):
+        groups = sorted(fit.plan_pipeline(lengths))
+        assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and len(groups) <= fit.PIPELINE_GROUPS
+        assert all(a < b for a, b in groups) and all(x[1] == y[0] for x, y in zip(groups, groups[1:]))

@@ -11,11 +11,14 @@ from test_kda_fwd_gpu import rng
 pytestmark = gpu
 
 
-@pytest.mark.parametrize("mode,plan", [("replay", None), ("saved", None),
-                                       ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)))],
-                         ids=["replay", "saved", "replay-mixed-walks"])
-def test_b3_step_captures_and_replays_bitwise(monkeypatch, mode, plan):
-    """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk."""
+@pytest.mark.parametrize("mode,plan,pipeline", [
+    ("replay", None, "0"), ("saved", None, "0"),
+    ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)), "0"),
+    ("saved", None, "1")], ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined"])
+def test_b3_step_captures_and_replays_bitwise(monkeypatch, mode, plan, pipeline):
+    """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk;
+    pipeline: the pipelined forward (KDA_AOT_PIPELINE), its groups' walks on side streams."""
+    monkeypatch.setenv("KDA_AOT_PIPELINE", pipeline)
     if plan is not None:
         from kda_aot import fit
         monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)

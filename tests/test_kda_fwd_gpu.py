@@ -171,3 +171,70 @@ def test_walk_without_output_is_bitwise_the_same(form):
     assert b[0] is None and torch.equal(a[1], b[1])
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(a[2][name], b[2][name]), name
+
+
+def nan_filled_allocator(nbytes=1 << 30):
+    """Fill and free a large block: tensors the caching allocator hands out next start as NaN, so a
+    chunk range a launch skipped shows up (the chunk stage's outputs cannot be passed in poisoned)."""
+    x = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del x
+
+
+@pytest.mark.parametrize("chains", list(CHAIN_PACKS))
+@pytest.mark.parametrize("save_tape", [False, True])
+@pytest.mark.parametrize("init", [False, True])
+def test_pipelined_forward_is_bitwise_the_plain_one(chains, save_tape, init):
+    """pipeline=True (the chunk stage a segment group at a time, each group's walk on a side stream
+    beside the later groups' chunk stage; 500 chains: 4 groups of 125 segments) writes every bit
+    the plain order writes: outputs poisoned, the chunk stage's outputs allocated over NaN."""
+    q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline", chains, save_tape, init)), init)
+    o1, h1, s1 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                               save_tape=save_tape, pipeline=False)
+    out = {"o": poisoned(o1), "final_state": poisoned(h1)}
+    if save_tape:
+        out.update(tape=poisoned(s1["tape"]), vnew=poisoned(s1["vnew"]))
+    nan_filled_allocator()
+    o2, h2, s2 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                               save_tape=save_tape, pipeline=True, out=out)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    names = ["w", "u", "qg", "kg", "aqk", "gamma"] + (["tape", "vnew", "akk_inv"] if save_tape else [])
+    for name in names:
+        assert torch.equal(s1[name], s2[name]), name
+    assert (s2["akk_inv"] is None) == (not save_tape)
+
+
+def test_pipelined_forward_with_forced_walk_forms(monkeypatch):
+    """Each group's walk goes through the fit rule on its own segments: forced split and a mixed plan
+    (side streams of the group's own pool) inside the pipeline are bitwise the plain order too."""
+    from kda_aot import fit
+    lens = [1025, 193, 1563, 487, 625, 205]  # six segments: groups of one and two segments
+    q, k, v, g, beta, cu, h0 = make(lens, 4, "rand", rng("pipeline-forms"), True)
+    o1, h1, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                              pipeline=False, tape_form="full")
+    for form in ("split", "quarter"):
+        o2, h2, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                  pipeline=True, tape_form=form, out={"o": poisoned(o1), "final_state": poisoned(h1)})
+        assert torch.equal(o1, o2) and torch.equal(h1, h2), form
+    monkeypatch.setattr(fit, "plan_walk", lambda program, lengths, *a, **kw: (
+        (("split", 0, 1), ("full", 1, len(lengths))) if len(lengths) > 1 else (("full", 0, 1),)))
+    o3, h3, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                              pipeline=True, out={"o": poisoned(o1), "final_state": poisoned(h1)})
+    assert torch.equal(o1, o3) and torch.equal(h1, h3)
+
+
+@pytest.mark.parametrize("mode", ["saved", "replay"])
+def test_pipelined_forward_gradients_bitwise(monkeypatch, mode):
+    """KDA_AOT_PIPELINE=1 through autograd: output and every gradient bitwise as without it."""
+    from kda_aot.kda import chunk_kda
+    q, k, v, g, beta, cu, h0 = make(PACKS["long"], 3, "rand", rng(("pipeline-grad", mode)), True)
+    do = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-grad-do", mode))).to(torch.bfloat16)
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KDA_AOT_PIPELINE", flag)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = chunk_kda(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], output_final_state=True,
+                          backward=mode)
+        torch.autograd.backward([o, ht], [do, torch.ones_like(ht)])
+        results.append([o.detach(), ht.detach()] + [x.grad for x in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
