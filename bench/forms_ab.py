@@ -5,8 +5,8 @@
          (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd;
-  pipeline: the forward (chunk_kda_fwd, output and final state) pipelined (a segment group's walk
-         beside the later groups' chunk stage) and in the plain order, and a saved-mode training step.
+  pipeline: the forward (chunk_kda_fwd, output and final state) pipelined (a segment group's walks
+         beside the later groups' chunk stage) and in the plain order, and training steps (saved, replay).
     python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack] [heads]
 """
 import os
@@ -80,18 +80,19 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
 
-    def step(flag):
+    def step(flag, mode):
         def run():
             os.environ["KDA_AOT_PIPELINE"] = flag
             try:
                 for x in leaves:
                     x.grad = None
-                chunk_kda(*leaves, cu_seqlens=cu, backward="saved")[0].backward(do)
+                chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
             finally:
                 del os.environ["KDA_AOT_PIPELINE"]
         return run
-    ms = interleaved({"pipelined": step("1"), "plain": step("0")}, iters=7, warmup=1)
-    print(f"{pack} H={H} saved step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+    for mode in ("saved", "replay"):
+        ms = interleaved({"pipelined": step("1", mode), "plain": step("0", mode)}, iters=7, warmup=1)
+        print(f"{pack} H={H} {mode} step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 
 if __name__ == "__main__":

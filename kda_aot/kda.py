@@ -275,12 +275,12 @@ def segment_view(prepared: dict, segment: int) -> dict:
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
-                       tape_form=None, sm_count=None):
+                       tape_form=None, sm_count=None, pool=None):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
     d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors.
     tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit
-    rule). sm_count: the SMs the fit rule plans for (default: the device's)."""
+    rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
     q = saved["q"]
     if not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
@@ -295,7 +295,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
              dtape=out_or(out, "dtape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)),
              dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                              if need_dinitial_state else None))
-    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form, sm_count)
+    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form, sm_count, pool)
     return t["dtape"], t["dinitial_state"]
 
 
@@ -439,13 +439,65 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state):
 
 
 def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
-    """One replay pass: the chunk stage, the two walks side by side (replay_walks), then the
-    chunk-parallel backward. Bitwise the same as the saved-context backward."""
-    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                 save_tape=True)
-    saved, walk = replay_walks(prepared, h0, do, dht)
-    del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
+    """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
+    the chunk stage under KDA_AOT_PIPELINE=1), then the chunk-parallel backward. Bitwise the same
+    as the saved-context backward."""
+    if os.environ.get("KDA_AOT_PIPELINE", "0") == "1":
+        saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
+    else:
+        prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
+                                     save_tape=True)
+        saved, walk = replay_walks(prepared, h0, do, dht)
+        del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
+
+
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """The replay's chunk stage and walks pipelined as in _fwd_pipelined: per segment group the
+    chunk stage on the current stream, then the group's forward walk (tape, V') and backward walk
+    (dtape, d_initial_state) on two side streams, each planned on half the SMs as in replay_walks.
+    Returns what replay_walks returns; bitwise the same."""
+    chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
+    groups = fit.plan_pipeline(prepared["chain_lengths"])
+    if not isinstance(do, torch.Tensor):
+        raise TypeError(f"dout: expected a torch.Tensor, got {type(do).__name__}")
+    if do.shape != q.shape:
+        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(do.shape)}")
+    do = do.contiguous()
+    T, H = q.shape[1], q.shape[2]
+    N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    tape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)
+    vnew = torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)
+    dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)
+    dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32)
+    first_chunk = [0]
+    for n in prepared["chain_lengths"]:
+        first_chunk.append(first_chunk[-1] + n)
+    main = torch.cuda.current_stream(q.device)
+    fwd_streams = _side_streams(q.device, len(groups), "replay/pipeline-fwd")
+    bwd_streams = _side_streams(q.device, len(groups), "replay/pipeline-bwd")
+    half = max(1, _sm_count(q.device) // 2)
+    try:
+        for i, (a, b) in enumerate(groups):
+            _launch_chunk_stage(prepared, chunk_form, h0, first_chunk[a], first_chunk[b])
+            view = segments_view(prepared, a, b)
+            fwd_streams[i].wait_stream(main)
+            bwd_streams[i].wait_stream(main)
+            with torch.cuda.stream(fwd_streams[i]):
+                chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
+                               out={"tape": tape, "vnew": vnew}, want_output=False, sm_count=half,
+                               pool=f"kda_fwd_tape/replay{i}")
+            with torch.cuda.stream(bwd_streams[i]):
+                chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
+                                   out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=half,
+                                   pool=f"kda_bwd_tape/replay{i}")
+    finally:  # joined even when a launch raises: queued work may still read the caller's tensors
+        for side in fwd_streams + bwd_streams:
+            main.wait_stream(side)
+    saved = dict(prepared, initial_state=h0, tape=tape, vnew=vnew, o=None, final_state=None)
+    return saved, [dtape, dh0]
 
 
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):

@@ -14,10 +14,11 @@ pytestmark = gpu
 @pytest.mark.parametrize("mode,plan,pipeline", [
     ("replay", None, "0"), ("saved", None, "0"),
     ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)), "0"),
-    ("saved", None, "1")], ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined"])
+    ("saved", None, "1"), ("replay", None, "1")],
+    ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined", "replay-pipelined"])
 def test_b3_step_captures_and_replays_bitwise(monkeypatch, mode, plan, pipeline):
     """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk;
-    pipeline: the pipelined forward (KDA_AOT_PIPELINE), its groups' walks on side streams."""
+    pipeline: the pipelined forward and replay (KDA_AOT_PIPELINE), the groups' walks on side streams."""
     monkeypatch.setenv("KDA_AOT_PIPELINE", pipeline)
     if plan is not None:
         from kda_aot import fit

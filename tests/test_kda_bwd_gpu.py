@@ -323,3 +323,28 @@ def test_replay_walks_side_by_side_are_bitwise_the_sequential_replay(monkeypatch
         grads.append([x.grad for x in leaves])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chains", list(CHAIN_PACKS))
+@pytest.mark.parametrize("init", [False, True])
+def test_pipelined_replay_walks_are_bitwise_replay_walks(chains, init):
+    """The pipelined replay (chunk stage per segment group, the group's two walks on side streams)
+    returns the saved context and walk results of chunk_kda_prepare + replay_walks, bit for bit;
+    its tensors are allocated over NaN (nan_filled_allocator), so a range left unwritten shows."""
+    from kda_aot.kda import _replay_walks_pipelined, chunk_kda_prepare, replay_walks
+    from test_kda_fwd_gpu import nan_filled_allocator
+    q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline-replay", chains, init)), init)
+    dout = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-replay-do", chains))).to(torch.bfloat16)
+    dht = torch.randn_like(h0) if init else None
+    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+    sa, wa = replay_walks(prepared, h0, dout, dht)
+    nan_filled_allocator()
+    sb, wb = _replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht)
+    assert set(sa) == set(sb)
+    for name, x in sa.items():
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, sb[name]), name
+        else:
+            assert x == sb[name], name
+    for x, y in zip(wa, wb):
+        assert torch.equal(x, y)
