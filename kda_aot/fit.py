@@ -180,3 +180,10 @@ def plan_pipeline(chain_lengths) -> tuple:
         groups.append((first, n))
     return tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
 
+
+def pipelined_walk_sms(sms: int, chains: int, last: bool) -> int:
+    """The SMs a pipelined group's walk is planned on: a walk that runs beside the chunk stage of the
+    groups after it gets as many as it has chains (the fit rule then keeps one full CTA per chain
+    instead of spreading split or quarter CTAs over SMs the chunk stage needs); the last group's
+    walk runs after the chunk stage and gets them all."""
+    return sms if last else max(1, min(sms, chains))

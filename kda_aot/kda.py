@@ -239,6 +239,7 @@ def _fwd_pipelined(prepared: dict, groups, chunk_form, out, *, initial_state, ou
         first_chunk.append(first_chunk[-1] + n)
     main = torch.cuda.current_stream(q.device)
     streams = _side_streams(q.device, len(groups), "pipeline")
+    sms = _sm_count(q.device)
     try:
         for i, ((a, b), side) in enumerate(zip(groups, streams)):
             _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
@@ -250,7 +251,9 @@ def _fwd_pipelined(prepared: dict, groups, chunk_form, out, *, initial_state, ou
                 chunk_kda_walk(segments_view(prepared, a, b),
                                initial_state=None if initial_state is None else initial_state[a:b],
                                output_final_state=output_final_state, save_tape=save_tape, out=part,
-                               tape_form=tape_form, want_output=want_output, pool=f"kda_fwd_tape/pipeline{i}")
+                               tape_form=tape_form, want_output=want_output,
+                               sm_count=fit.pipelined_walk_sms(sms, H * (b - a), i == len(groups) - 1),
+                               pool=f"kda_fwd_tape/pipeline{i}")
     finally:  # joined even when a launch raises: queued work may still read the caller's tensors
         for side in streams:
             main.wait_stream(side)
@@ -483,15 +486,16 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
         for i, (a, b) in enumerate(groups):
             _launch_chunk_stage(prepared, chunk_form, h0, first_chunk[a], first_chunk[b])
             view = segments_view(prepared, a, b)
+            walk_sms = fit.pipelined_walk_sms(half, H * (b - a), i == len(groups) - 1)
             fwd_streams[i].wait_stream(main)
             bwd_streams[i].wait_stream(main)
             with torch.cuda.stream(fwd_streams[i]):
                 chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
-                               out={"tape": tape, "vnew": vnew}, want_output=False, sm_count=half,
+                               out={"tape": tape, "vnew": vnew}, want_output=False, sm_count=walk_sms,
                                pool=f"kda_fwd_tape/replay{i}")
             with torch.cuda.stream(bwd_streams[i]):
                 chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
-                                   out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=half,
+                                   out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=walk_sms,
                                    pool=f"kda_bwd_tape/replay{i}")
     finally:  # joined even when a launch raises: queued work may still read the caller's tensors
         for side in fwd_streams + bwd_streams:

@@ -146,3 +146,14 @@ def test_pipeline_groups():
         groups = sorted(fit.plan_pipeline(lengths))
         assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and len(groups) <= fit.PIPELINE_GROUPS
         assert all(a < b for a, b in groups) and all(x[1] == y[0] for x, y in zip(groups, groups[1:]))
+
+
+def test_pipelined_walk_sms():
+    """A walk beside the chunk stage is planned on as many SMs as it has chains (full then), the
+    last group's on all: Q1's longest document at 32 heads is full mid-pipeline, quarter last."""
+    assert fit.pipelined_walk_sms(132, 32, last=False) == 32
+    assert fit.pipelined_walk_sms(132, 4000, last=False) == 132
+    assert fit.pipelined_walk_sms(132, 32, last=True) == 132
+    fit._decide.cache_clear()
+    assert fit.plan_walk("kda_fwd_tape", (1585,), 32, fit.pipelined_walk_sms(132, 32, False), "auto") == \
+        (("full", 0, 1),)
