@@ -13,12 +13,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 # Triton's cache (FLA's compiled kernels and autotuning results) from an earlier call, when carried:
-# FLA's autotuning otherwise takes minutes of every fresh machine.
-if [ -f .triton_cache.tgz ]; then mkdir -p "$HOME/.triton" && tar xzf .triton_cache.tgz -C "$HOME/.triton"; fi
-# save_triton_cache: Triton's cache into $OUT for the next call to carry, in parts of 15 MB ($OUT
-# returns files of at most 16 MiB; 3 parts at most): here `cat triton_cache.part-* > .triton_cache.tgz`.
+# FLA's autotuning otherwise takes minutes of every fresh machine. .triton_autotune.tgz holds the
+# autotuning results alone (small: with them Triton compiles only each kernel's chosen config).
+mkdir -p "$HOME/.triton"
+for f in .triton_cache.tgz .triton_autotune.tgz; do
+  if [ -f "$f" ]; then tar xzf "$f" -C "$HOME/.triton"; fi
+done
+# save_triton_cache: the autotuning results into $OUT (triton_autotune.tgz) and, when the whole
+# cache is under 45 MB, the cache in 15 MB parts ($OUT returns files of at most 16 MiB):
+# here `cat triton_cache.part-* > .triton_cache.tgz` and `cp triton_autotune.tgz .triton_autotune.tgz`.
 save_triton_cache() {
   [ -d "$HOME/.triton/cache" ] || return 0
+  (cd "$HOME/.triton" && find cache -name '*.autotune.json' | tar czf "$OUT/triton_autotune.tgz" -T -)
   tar czf /tmp/triton_cache.tgz -C "$HOME/.triton" cache
   if [ "$(stat -c %s /tmp/triton_cache.tgz)" -lt 45000000 ]; then
     split -b 15000000 -d -a 1 /tmp/triton_cache.tgz "$OUT/triton_cache.part-"
