@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Device call 1 of a session (nvidia-h200-x2, ends by 560 s): checks and diagnostics.
 #   both:  the CP tests over NCCL with the CUDA backend (first: ~15 s)
-#   GPU 0: every single-GPU test file, then the single benchmark on Q1 (walk forms auto and full,
-#          FLA interleaved; FLA's Triton autotuning takes ~2 min of it on a fresh machine)
+#   GPU 0: the single-GPU test files but the backward's, then the single benchmark on Q1 (walk forms
+#          auto and full, FLA interleaved; FLA's Triton autotuning takes ~2 min of it on a fresh
+#          machine unless .triton_autotune.tgz is carried)
 #   GPU 1: compute-sanitizer memcheck + racecheck, the fit rule's rho table (a fresh fit_params.json
 #          comes back in $OUT; the committed one stays in place for GPU 0), the module profile,
-#          the forms A/B (kda_fwd_chunk and kda_bwd_gate forms), Nsight Compute on the KDA kernels.
+#          the forms A/B (bench/forms_ab.py all), Nsight Compute on the KDA kernels, then the backward's
+#          GPU tests (tests/test_kda_bwd_gpu.py).
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl and
 # build/kobj (the device then compiles only the binding units).
 source "$(dirname "$0")/device_env.sh"
@@ -31,7 +33,8 @@ timeout $(cap 60) python3 -m pytest -q -rs tests/test_cp_nccl_cuda.py > "$W/pyte
 stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
 (
   export CUDA_VISIBLE_DEVICES=0
-  timeout $(cap 250) python3 -X faulthandler -m pytest -q -rs tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py \
+  # SIGINT at the cap: pytest still prints its summary (which test ran, the slowest ones)
+  timeout -s INT -k 15 $(cap 330) python3 -X faulthandler -m pytest -q -rs --durations=15 tests/test_kda_fwd_gpu.py \
     tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py tests/test_conv_gpu.py tests/test_graph_gpu.py \
     > "$W/pytest.log" 2>&1
   stamp "A: tests: $(tail -1 "$W/pytest.log")"
@@ -52,9 +55,12 @@ stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
   tail -2 "$W/forms_ab.log"
   NCU_S=27 NCU_NO_BUILD=1 NCU_DIR="$W" timeout $(cap 260) bash bench/ncu_kda.sh > "$W/ncu.log" 2>&1
   stamp "B: ncu rc $?"
+  timeout -s INT -k 15 $(cap 250) python3 -X faulthandler -m pytest -q -rs --durations=15 tests/test_kda_bwd_gpu.py \
+    > "$W/pytest_bwd.log" 2>&1
+  stamp "B: backward tests: $(tail -1 "$W/pytest_bwd.log")"
 ) &
 wait
-grep -E "^(FAILED|ERROR)|Error" "$W/pytest.log" "$W/pytest_cp_nccl.log" | head -12
+grep -E "^(FAILED|ERROR)|Error" "$W/pytest.log" "$W/pytest_bwd.log" "$W/pytest_cp_nccl.log" | head -12
 grep -E '"ms"|ratio|oom|Error' "$W/single.log" | cut -c1-260
 tail -14 "$W/rho.log"
 grep -E "B3|kda_|l2norm|conv1d|elementwise" "$W/profile_module.log" | cut -c1-55,100-150 | head -12

@@ -44,7 +44,7 @@ fi
     FILES="tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py
       tests/test_conv_gpu.py tests/test_graph_gpu.py"
     python3 -m pytest --collect-only -q $FILES 2>/dev/null | grep "::" | tail -n +"$TESTS_FROM" > "$W/test_ids.txt"
-    timeout $(cap ${TESTS_S:-150}) python3 -m pytest -q -rs $(cat "$W/test_ids.txt") > "$W/pytest.log" 2>&1
+    timeout -s INT -k 15 $(cap ${TESTS_S:-150}) python3 -m pytest -q -rs --durations=15 $(cat "$W/test_ids.txt") > "$W/pytest.log" 2>&1
     stamp "A: $(wc -l < "$W/test_ids.txt") tests: $(tail -1 "$W/pytest.log")"
   fi
   if [ -n "$SINGLE_A" ]; then
