@@ -11,6 +11,7 @@ runs kda_bwd_tape (the state-gradient walk), kda_bwd_chunk (plain products) and 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -160,6 +161,22 @@ def _launch_chunk_stage(t: dict, chunk_form: str, initial_state, first: int = 0,
     registry.library("kda_fwd_chunk", chunk_form).launch(desc, t["scale"], stream_of(t["q"]))
 
 
+def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
+    """The forward walk's outputs (tape, vnew, o, final_state; None where not asked for), taken from
+    `out` where the caller preallocated them, else allocated on the current stream."""
+    out = out or {}
+    T, H = q.shape[1], q.shape[2]
+    bf16 = dict(device=q.device, dtype=torch.bfloat16)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    return {
+        "tape": out_or(out, "tape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
+        "vnew": out_or(out, "vnew", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
+        "o": out_or(out, "o", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
+        "final_state": (out_or(out, "final_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
+                        if output_final_state else None),
+    }
+
+
 def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
                    tape_form=None, want_output=True, sm_count=None, pool=None):
     """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
@@ -168,22 +185,13 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     for (default: the device's; the replay plans each of its two concurrent walks on half); pool: the
     side-stream pool of a mixed plan (walks running at the same time need pools of their own)."""
     q = prepared["q"]
-    T, H = q.shape[1], q.shape[2]
+    H = q.shape[2]
     N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
     if save_tape and prepared.get("akk_inv") is None:
         raise ValueError("save_tape: prepare the chunk stage with save_tape=True too (the backward reads (I + L)^-1)")
-    out = dict(out or {})
-    bf16 = dict(device=q.device, dtype=torch.bfloat16)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    t = dict(prepared)
-    t.update({
-        "initial_state": initial_state,
-        "tape": out_or(out, "tape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
-        "vnew": out_or(out, "vnew", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
-        "o": out_or(out, "o", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
-        "final_state": (out_or(out, "final_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
-                        if output_final_state else None),
-    })
+    t = dict(prepared, initial_state=initial_state,
+             **_walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
+                             output_final_state=output_final_state))
     if not save_tape:
         t["akk_inv"] = None
     _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form, sm_count, pool)
@@ -205,58 +213,63 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      tape_form=tape_form, want_output=want_output)
-    if pipeline is None:
-        pipeline = os.environ.get("KDA_AOT_PIPELINE", "0") == "1"
-    groups = fit.plan_pipeline(prepared["chain_lengths"]) if pipeline else ((0, len(prepared["chain_lengths"])),)
-    if len(groups) == 1:
+    if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2:
         _launch_chunk_stage(prepared, chunk_form, initial_state)
         return chunk_kda_walk(prepared, out=out, **walk_args)
-    return _fwd_pipelined(prepared, groups, chunk_form, out, **walk_args)
+    return _fwd_pipelined(prepared, chunk_form, out, **walk_args)
 
 
-def _fwd_pipelined(prepared: dict, groups, chunk_form, out, *, initial_state, output_final_state, save_tape,
-                   tape_form, want_output):
-    """chunk_kda_fwd's pipelined order: the chunk stage of each segment group on the current stream,
-    the group's walk on a side stream that waits for it (and for the groups launched before), so
-    a walk runs beside the chunk stage of the groups after it. Same kernels on the same data per
-    chunk and per chain as the plain order: bitwise the same. Outputs are allocated here, on the
-    current stream, and the side streams are joined back into it before anyone can free them."""
+def _pipeline_on(pipeline=None) -> bool:
+    """The pipelined order (chunk_kda_fwd, the replay): the argument, else KDA_AOT_PIPELINE=1."""
+    return os.environ.get("KDA_AOT_PIPELINE", "0") == "1" if pipeline is None else bool(pipeline)
+
+
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group):
+    """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
+    stream; after it, launch_group(i, first, end, last, streams) launches the group's walks on its
+    side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
+    walks run beside the chunk stage of the groups after it. The side streams are joined back into
+    the current stream, also when a launch raises: queued work may still read the caller's tensors."""
     q = prepared["q"]
-    T, H = q.shape[1], q.shape[2]
-    N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
-    out = dict(out or {})
-    f32 = dict(device=q.device, dtype=torch.float32)
-    bf16 = dict(device=q.device, dtype=torch.bfloat16)
-    full = {
-        "tape": out_or(out, "tape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
-        "vnew": out_or(out, "vnew", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
-        "o": out_or(out, "o", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if want_output else None,
-        "final_state": (out_or(out, "final_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
-                        if output_final_state else None),
-    }
-    first_chunk = [0]
-    for n in prepared["chain_lengths"]:
-        first_chunk.append(first_chunk[-1] + n)
+    groups = fit.plan_pipeline(prepared["chain_lengths"])
+    first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
     main = torch.cuda.current_stream(q.device)
-    streams = _side_streams(q.device, len(groups), "pipeline")
-    sms = _sm_count(q.device)
+    streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
     try:
-        for i, ((a, b), side) in enumerate(zip(groups, streams)):
+        for i, (a, b) in enumerate(groups):
             _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
-            side.wait_stream(main)
-            part = {name: x for name, x in full.items() if x is not None and name != "final_state"}
-            if full["final_state"] is not None:
-                part["final_state"] = full["final_state"][a:b]
-            with torch.cuda.stream(side):
-                chunk_kda_walk(segments_view(prepared, a, b),
-                               initial_state=None if initial_state is None else initial_state[a:b],
-                               output_final_state=output_final_state, save_tape=save_tape, out=part,
-                               tape_form=tape_form, want_output=want_output,
-                               sm_count=fit.pipelined_walk_sms(sms, H * (b - a), i == len(groups) - 1),
-                               pool=f"kda_fwd_tape/pipeline{i}")
-    finally:  # joined even when a launch raises: queued work may still read the caller's tensors
-        for side in streams:
-            main.wait_stream(side)
+            for pool in streams:
+                pool[i].wait_stream(main)
+            launch_group(i, a, b, i == len(groups) - 1, [pool[i] for pool in streams])
+    finally:
+        for pool in streams:
+            for side in pool:
+                main.wait_stream(side)
+
+
+def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
+                   tape_form, want_output):
+    """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
+    the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
+    plain order: bitwise the same. The outputs are allocated before, on the current stream."""
+    q = prepared["q"]
+    H = q.shape[2]
+    N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
+    full = _walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
+                         output_final_state=output_final_state)
+    sms = _sm_count(q.device)
+
+    def walk(i, a, b, last, streams):
+        part = {name: x for name, x in full.items() if x is not None}
+        if "final_state" in part:
+            part["final_state"] = part["final_state"][a:b]
+        with torch.cuda.stream(streams[0]):
+            chunk_kda_walk(segments_view(prepared, a, b),
+                           initial_state=None if initial_state is None else initial_state[a:b],
+                           output_final_state=output_final_state, save_tape=save_tape, out=part,
+                           tape_form=tape_form, want_output=want_output,
+                           sm_count=fit.pipelined_walk_sms(sms, H * (b - a), last), pool=f"kda_fwd_tape/pipeline{i}")
+    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None
@@ -277,6 +290,13 @@ def segment_view(prepared: dict, segment: int) -> dict:
     return segments_view(prepared, segment, segment + 1)
 
 
+def _check_dout(dout, q):
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
+
+
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
                        tape_form=None, sm_count=None, pool=None):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
@@ -285,10 +305,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
     q = saved["q"]
-    if not isinstance(dout, torch.Tensor):
-        raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
-    if dout.shape != q.shape:
-        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
+    _check_dout(dout, q)
     N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
     scale = saved["scale"]
     out = dict(out or {})
@@ -445,7 +462,7 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage under KDA_AOT_PIPELINE=1), then the chunk-parallel backward. Bitwise the same
     as the saved-context backward."""
-    if os.environ.get("KDA_AOT_PIPELINE", "0") == "1":
+    if _pipeline_on():
         saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     else:
         prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
@@ -456,52 +473,33 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
 
 
 def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
-    """The replay's chunk stage and walks pipelined as in _fwd_pipelined: per segment group the
-    chunk stage on the current stream, then the group's forward walk (tape, V') and backward walk
-    (dtape, d_initial_state) on two side streams, each planned on half the SMs as in replay_walks.
-    Returns what replay_walks returns; bitwise the same."""
+    """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
+    walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
+    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
-    groups = fit.plan_pipeline(prepared["chain_lengths"])
-    if not isinstance(do, torch.Tensor):
-        raise TypeError(f"dout: expected a torch.Tensor, got {type(do).__name__}")
-    if do.shape != q.shape:
-        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(do.shape)}")
-    do = do.contiguous()
-    T, H = q.shape[1], q.shape[2]
+    _check_dout(do, q)
+    do = do.contiguous()  # once, not per group
+    H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
-    f32 = dict(device=q.device, dtype=torch.float32)
-    tape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)
-    vnew = torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)
-    dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)
-    dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32)
-    first_chunk = [0]
-    for n in prepared["chain_lengths"]:
-        first_chunk.append(first_chunk[-1] + n)
-    main = torch.cuda.current_stream(q.device)
-    fwd_streams = _side_streams(q.device, len(groups), "replay/pipeline-fwd")
-    bwd_streams = _side_streams(q.device, len(groups), "replay/pipeline-bwd")
+    outs = _walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
+    dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     half = max(1, _sm_count(q.device) // 2)
-    try:
-        for i, (a, b) in enumerate(groups):
-            _launch_chunk_stage(prepared, chunk_form, h0, first_chunk[a], first_chunk[b])
-            view = segments_view(prepared, a, b)
-            walk_sms = fit.pipelined_walk_sms(half, H * (b - a), i == len(groups) - 1)
-            fwd_streams[i].wait_stream(main)
-            bwd_streams[i].wait_stream(main)
-            with torch.cuda.stream(fwd_streams[i]):
-                chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
-                               out={"tape": tape, "vnew": vnew}, want_output=False, sm_count=walk_sms,
-                               pool=f"kda_fwd_tape/replay{i}")
-            with torch.cuda.stream(bwd_streams[i]):
-                chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
-                                   out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=walk_sms,
-                                   pool=f"kda_bwd_tape/replay{i}")
-    finally:  # joined even when a launch raises: queued work may still read the caller's tensors
-        for side in fwd_streams + bwd_streams:
-            main.wait_stream(side)
-    saved = dict(prepared, initial_state=h0, tape=tape, vnew=vnew, o=None, final_state=None)
-    return saved, [dtape, dh0]
+
+    def walks(i, a, b, last, streams):
+        sms = fit.pipelined_walk_sms(half, H * (b - a), last)
+        view = segments_view(prepared, a, b)
+        with torch.cuda.stream(streams[0]):
+            chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
+                           out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False, sm_count=sms,
+                           pool=f"kda_fwd_tape/replay{i}")
+        with torch.cuda.stream(streams[1]):
+            chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
+                               out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=sms,
+                               pool=f"kda_bwd_tape/replay{i}")
+    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
+    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
