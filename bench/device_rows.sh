@@ -9,7 +9,7 @@
 #     GPU 0: the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
 #            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 with FLA;
 #     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack).
-# Defaults: CP2_PACKS=all CP2_S=340 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
+# Defaults: CP2_PACKS=all CP2_S=340 H64_S=90 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
 # CP2_ARGS passes more arguments to the CP2 benchmark (e.g. "--layouts zigzag --no-fla").
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -52,7 +52,7 @@ fi
       --out "$W/single" > "$W/single_a.log" 2>&1; stamp "A: single $SINGLE_A rc $?"
   fi
   if [ "$H64" = 1 ]; then
-    timeout $(cap 90) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
+    timeout $(cap ${H64_S:-90}) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
       --out "$W/h64" > "$W/h64.log" 2>&1; stamp "A: single H=64 rc $?"
   fi
 ) &
