@@ -213,7 +213,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      tape_form=tape_form, want_output=want_output)
-    if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2:
+    # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
+    if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not q.is_cuda:
         _launch_chunk_stage(prepared, chunk_form, initial_state)
         return chunk_kda_walk(prepared, out=out, **walk_args)
     return _fwd_pipelined(prepared, chunk_form, out, **walk_args)
