@@ -6,8 +6,9 @@
 #              machine, carry .triton_cache.tgz from the last call), CP2_S seconds at most; every
 #              rank dumps its Python stack if it is stuck (KDA_AOT_DUMP_AFTER).
 #   then side by side:
-#     GPU 0: the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
-#            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 with FLA;
+#     GPU 0: the GPU tests matching TESTS_K (pytest -k), the forms A/B (AB: forms_ab.py's arguments),
+#            the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
+#            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 (H64_ARGS, e.g. --no-fla);
 #     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack).
 # Defaults: CP2_PACKS=all CP2_S=340 H64_S=90 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
 # CP2_ARGS passes more arguments to the CP2 benchmark (e.g. "--layouts zigzag --no-fla").
@@ -17,7 +18,7 @@ t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 DEADLINE=$(( t0 + ${ROWS_S:-570} ))
 cap() { local left=$(( DEADLINE - $(date +%s) - 5 )); [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 CP2_PACKS=${CP2_PACKS-all}; SINGLE_A=${SINGLE_A-}; SINGLE_B=${SINGLE_B-Q2,Q3,Q4,Q5,Q6}
-CP1=${CP1-1}; H64=${H64-1}; TESTS_FROM=${TESTS_FROM-}
+CP1=${CP1-1}; H64=${H64-1}; TESTS_FROM=${TESTS_FROM-}; TESTS_K=${TESTS_K-}; AB=${AB-}
 # Logs go to $W, packed into $OUT/logs.tgz at the end ($OUT returns at most 8 files); rows are
 # copied out as they are.
 W=$(mktemp -d)
@@ -28,7 +29,7 @@ finish() {
 }
 trap finish EXIT
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
-if [ -n "$TESTS_FROM" ]; then export KDA_AOT_TEST_RECORDS=1; fi  # the tests check test-only forms too
+if [ -n "$TESTS_FROM$TESTS_K" ]; then export KDA_AOT_TEST_RECORDS=1; fi  # the tests check test-only forms too
 KDA_AOT_PROGRAMS=${KDA_AOT_PROGRAMS:-} python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -40,9 +41,16 @@ if [ -n "$CP2_PACKS" ]; then
 fi
 (
   export CUDA_VISIBLE_DEVICES=0
+  FILES="tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py
+    tests/test_conv_gpu.py tests/test_graph_gpu.py"
+  if [ -n "$TESTS_K" ]; then
+    timeout -s INT -k 15 $(cap ${TESTS_S:-150}) python3 -m pytest -q -rs -k "$TESTS_K" $FILES > "$W/pytest.log" 2>&1
+    stamp "A: tests -k '$TESTS_K': $(tail -1 "$W/pytest.log")"
+  fi
+  if [ -n "$AB" ]; then
+    timeout $(cap ${AB_S:-120}) python3 bench/forms_ab.py $AB > "$W/forms_ab.log" 2>&1; stamp "A: forms A/B $AB rc $?"
+  fi
   if [ -n "$TESTS_FROM" ]; then
-    FILES="tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py
-      tests/test_conv_gpu.py tests/test_graph_gpu.py"
     python3 -m pytest --collect-only -q $FILES 2>/dev/null | grep "::" | tail -n +"$TESTS_FROM" > "$W/test_ids.txt"
     timeout -s INT -k 15 $(cap ${TESTS_S:-150}) python3 -m pytest -q -rs --durations=15 $(cat "$W/test_ids.txt") > "$W/pytest.log" 2>&1
     stamp "A: $(wc -l < "$W/test_ids.txt") tests: $(tail -1 "$W/pytest.log")"
@@ -53,7 +61,7 @@ fi
   fi
   if [ "$H64" = 1 ]; then
     timeout $(cap ${H64_S:-90}) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
-      --out "$W/h64" > "$W/h64.log" 2>&1; stamp "A: single H=64 rc $?"
+      ${H64_ARGS:-} --out "$W/h64" > "$W/h64.log" 2>&1; stamp "A: single H=64 rc $?"
   fi
 ) &
 (
@@ -70,4 +78,5 @@ fi
 wait
 for f in "$W"/cp/*.jsonl "$W"/single/*.jsonl "$W"/h64/*.jsonl; do [ -f "$f" ] && echo "$f: $(wc -l < "$f") rows"; done
 grep -E "^(FAILED|ERROR)" "$W/pytest.log" 2>/dev/null | head -12
+cat "$W/forms_ab.log" 2>/dev/null | tail -12
 grep -hE "Timeout|^  File" "$W"/cp2.log 2>/dev/null | grep -v "torch/distributed/elastic\|torchrun\|run.py" | head -20

@@ -5,9 +5,10 @@
          (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd;
-  pipeline: the forward (chunk_kda_fwd, output and final state) pipelined (a segment group's walks
-         beside the later groups' chunk stage) and in the plain order, and training steps (saved, replay).
-    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack] [heads]
+  pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
+         pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
+         walks' SMs) and in the plain order.
+    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
 import os
 import sys
@@ -24,8 +25,14 @@ from kda_aot.kda import (BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd
 
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
-    pack = sys.argv[2] if len(sys.argv) > 2 else "Q1"
+    packs = sys.argv[2] if len(sys.argv) > 2 else "Q1"
     H = int(sys.argv[3]) if len(sys.argv) > 3 else 32
+    for pack in packs.split(","):
+        ab(what, pack, H)
+        torch.cuda.empty_cache()
+
+
+def ab(what, pack, H):
     q, k, v, g, beta, cu = inputs(PACKS[pack], H)
     cu = cu.cpu()
     if what in ("chunk", "all"):
@@ -72,27 +79,37 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
 
 
 def pipeline_ab(q, k, v, g, beta, cu, pack, H):
+    """Three arms: pipelined under the critical-path rule (fit.pipelined_walk_sms, shipped), pipelined
+    with every walk but the last restricted to its chains' SMs (session 4's rule), the plain order."""
+    from kda_aot import fit
     from kda_aot.kda import chunk_kda
-    ms = interleaved({p: (lambda p=p: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True,
-                                                    pipeline=p == "pipelined"))
-                      for p in ("pipelined", "plain")}, iters=9, warmup=2)
-    print(f"{pack} H={H} forward: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
+    arms = {"critical": ("1", True), "restricted": ("1", False), "plain": ("0", True)}
 
-    def step(flag, mode):
+    def arm(name, mode):
+        flag, critical = arms[name]
+
         def run():
             os.environ["KDA_AOT_PIPELINE"] = flag
+            fit.PIPELINE_CRITICAL_PATH = critical
+            fit.pipelined_walk_sms.cache_clear()
             try:
+                if mode == "forward":
+                    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+                    return
                 for x in leaves:
                     x.grad = None
                 chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
             finally:
                 del os.environ["KDA_AOT_PIPELINE"]
+                fit.PIPELINE_CRITICAL_PATH = True
+                fit.pipelined_walk_sms.cache_clear()
         return run
-    for mode in ("saved", "replay"):
-        ms = interleaved({"pipelined": step("1", mode), "plain": step("0", mode)}, iters=7, warmup=1)
-        print(f"{pack} H={H} {mode} step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+    for mode in ("forward", "saved", "replay"):
+        ms = interleaved({name: arm(name, mode) for name in arms}, iters=9 if mode == "forward" else 7, warmup=1)
+        print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
+              + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 
 if __name__ == "__main__":

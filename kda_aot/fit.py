@@ -181,9 +181,40 @@ def plan_pipeline(chain_lengths) -> tuple:
     return tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
 
 
-def pipelined_walk_sms(sms: int, chains: int, last: bool) -> int:
-    """The SMs a pipelined group's walk is planned on: a walk that runs beside the chunk stage of the
-    groups after it gets as many as it has chains (the fit rule then keeps one full CTA per chain
-    instead of spreading split or quarter CTAs over SMs the chunk stage needs); the last group's
-    walk runs after the chunk stage and gets them all."""
-    return sms if last else max(1, min(sms, chains))
+# The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/balanced took
+# 13.8 ms for Q1's 3,907 chunks x 32 heads (session 5 profile, bench/NOTES.md).
+CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.110
+# A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
+PIPELINE_CRITICAL_PATH = True
+
+
+def walk_step_us(program: str) -> float | None:
+    """A full-form step of the walk alone on its SM, in microseconds (fit_params.json), or None."""
+    if not PARAMS_FILE.is_file():
+        return None
+    entry = json.loads(PARAMS_FILE.read_text())["programs"].get(program)
+    return None if entry is None else 1000.0 * float(entry["full_alone_ms"]) / float(entry["chunks_per_chain"])
+
+
+@functools.lru_cache(maxsize=1024)
+def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int) -> int:
+    """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
+    that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
+    rule then keeps one full CTA per chain instead of spreading split or quarter CTAs over SMs the
+    chunk stage needs) - unless even so it would end after the whole chunk stage: then it is the
+    critical path and gets them all (on Q6, 200,000 + 49,856 tokens, the long document's walk on 32
+    SMs outlasts the rest of the chunk stage by ~14 ms). The last group's walk gets them all."""
+    groups = plan_pipeline(chain_lengths)
+    a, b = groups[group]
+    if group == len(groups) - 1:
+        return sms
+    restricted = max(1, min(sms, heads * (b - a)))
+    step = walk_step_us(program)
+    if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
+        return restricted
+    # chunk-stage end of this group and of all, walk alone on restricted SMs (full form: a CTA per chain)
+    done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
+    stage_end = done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
+    stage_total = sum(chain_lengths) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
+    walk = step * makespan(launch_order(chain_lengths, heads, a, b), restricted)
+    return sms if stage_end + walk > stage_total else restricted

@@ -229,7 +229,7 @@ def _pipeline_on(pipeline=None) -> bool:
 
 def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
-    stream; after it, launch_group(i, first, end, last, streams) launches the group's walks on its
+    stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
     walks run beside the chunk stage of the groups after it. The side streams are joined back into
     the current stream, also when a launch raises: queued work may still read the caller's tensors."""
@@ -243,7 +243,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
             _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
             for pool in streams:
                 pool[i].wait_stream(main)
-            launch_group(i, a, b, i == len(groups) - 1, [pool[i] for pool in streams])
+            launch_group(i, a, b, [pool[i] for pool in streams])
     finally:
         for pool in streams:
             for side in pool:
@@ -261,8 +261,9 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     full = _walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
                          output_final_state=output_final_state)
     sms = _sm_count(q.device)
+    lengths = tuple(int(n) for n in prepared["chain_lengths"])
 
-    def walk(i, a, b, last, streams):
+    def walk(i, a, b, streams):
         part = {name: x for name, x in full.items() if x is not None}
         if "final_state" in part:
             part["final_state"] = part["final_state"][a:b]
@@ -271,7 +272,8 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                            initial_state=None if initial_state is None else initial_state[a:b],
                            output_final_state=output_final_state, save_tape=save_tape, out=part,
                            tape_form=tape_form, want_output=want_output,
-                           sm_count=fit.pipelined_walk_sms(sms, H * (b - a), last), pool=f"kda_fwd_tape/pipeline{i}")
+                           sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i),
+                           pool=f"kda_fwd_tape/pipeline{i}")
     _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
@@ -490,16 +492,19 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     half = max(1, _sm_count(q.device) // 2)
 
-    def walks(i, a, b, last, streams):
-        sms = fit.pipelined_walk_sms(half, H * (b - a), last)
+    lengths = tuple(int(n) for n in prepared["chain_lengths"])
+
+    def walks(i, a, b, streams):
         view = segments_view(prepared, a, b)
         with torch.cuda.stream(streams[0]):
             chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
-                           out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False, sm_count=sms,
+                           out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
+                           sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i),
                            pool=f"kda_fwd_tape/replay{i}")
         with torch.cuda.stream(streams[1]):
             chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
-                               out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=sms,
+                               out={"dtape": dtape, "dinitial_state": dh0[a:b]},
+                               sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i),
                                pool=f"kda_bwd_tape/replay{i}")
     _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]

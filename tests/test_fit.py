@@ -149,11 +149,32 @@ def test_pipeline_groups():
 
 
 def test_pipelined_walk_sms():
-    """A walk beside the chunk stage is planned on as many SMs as it has chains (full then), the
-    last group's on all: Q1's longest document at 32 heads is full mid-pipeline, quarter last."""
-    assert fit.pipelined_walk_sms(132, 32, last=False) == 32
-    assert fit.pipelined_walk_sms(132, 4000, last=False) == 132
-    assert fit.pipelined_walk_sms(132, 32, last=True) == 132
+    """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless,
+    so planned, it would outlast the whole chunk stage (then all SMs); the last group's on all."""
+    fit.pipelined_walk_sms.cache_clear()
+    # many short documents, four groups: no walk outlasts the chunk stage after it
+    short = tuple([20] * 400)
+    groups = fit.plan_pipeline(short)
+    assert [fit.pipelined_walk_sms("kda_fwd_tape", short, 32, 132, i) for i in range(len(groups))] == [132] * 4
+    assert fit.pipelined_walk_sms("kda_fwd_tape", short, 1, 132, 0) == 100  # 100 chains of one head
+    # Q6 (200,000 + 49,856 tokens): the long document's walk on 32 SMs would end ~14 ms after the
+    # chunk stage: it gets them all (quarter CTAs, 4 x 32 <= 132), the short one is last anyway
+    q6 = (3125, 779)
+    assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
     fit._decide.cache_clear()
-    assert fit.plan_walk("kda_fwd_tape", (1585,), 32, fit.pipelined_walk_sms(132, 32, False), "auto") == \
-        (("full", 0, 1),)
+    assert fit.plan_walk("kda_fwd_tape", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
+    # one long document then 200 short ones, one head: the long walk is critical (all SMs); the first
+    # run of short ones keeps its own 63 SMs (its walks end long before the chunk stage does); the
+    # later runs, whose walks would end after it, get all
+    tail = (3000,) + (40,) * 200
+    assert fit.plan_pipeline(tail) == ((0, 1), (1, 64), (64, 133), (133, 201))
+    assert [fit.pipelined_walk_sms("kda_fwd_tape", tail, 1, 132, i) for i in range(4)] == [132, 63, 132, 132]
+    # session 4's rule for the A/B: every group but the last restricted
+    fit.PIPELINE_CRITICAL_PATH = False
+    try:
+        fit.pipelined_walk_sms.cache_clear()
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 32
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 132
+    finally:
+        fit.PIPELINE_CRITICAL_PATH = True
+        fit.pipelined_walk_sms.cache_clear()
