@@ -184,6 +184,9 @@ def plan_pipeline(chain_lengths) -> tuple:
 # The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/balanced took
 # 13.8 ms for Q1's 3,907 chunks x 32 heads (session 5 profile, bench/NOTES.md).
 CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.110
+# The chunk stage runs about this much slower beside a walk spread over every SM (a walk CTA on an SM
+# leaves shared memory for one chunk-stage CTA instead of two).
+CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = 2.0
 # A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
 PIPELINE_CRITICAL_PATH = True
 
@@ -200,10 +203,13 @@ def walk_step_us(program: str) -> float | None:
 def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int) -> int:
     """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
-    rule then keeps one full CTA per chain instead of spreading split or quarter CTAs over SMs the
-    chunk stage needs) - unless even so it would end after the whole chunk stage: then it is the
-    critical path and gets them all (on Q6, 200,000 + 49,856 tokens, the long document's walk on 32
-    SMs outlasts the rest of the chunk stage by ~14 ms). The last group's walk gets them all."""
+    rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
+    stays the critical path even planned on every SM with the rest of the chunk stage slowed beside
+    it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK): then it gets them all. Measured (forms_ab.py pipeline,
+    session 5): Q6's long document (3,125 chunks, 20 % of the chunk stage after it) forward 28.25 ->
+    23.29 ms on every SM; Q1's groups all on every SM 20.30 -> 23.44 ms (its walks start with 60,
+    28 and 12 % of the stage still to run: this rule keeps them restricted). The last group's walk
+    runs after the chunk stage and gets every SM."""
     groups = plan_pipeline(chain_lengths)
     a, b = groups[group]
     if group == len(groups) - 1:
@@ -212,9 +218,7 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     step = walk_step_us(program)
     if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
         return restricted
-    # chunk-stage end of this group and of all, walk alone on restricted SMs (full form: a CTA per chain)
+    fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
     done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
-    stage_end = done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
-    stage_total = sum(chain_lengths) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
-    walk = step * makespan(launch_order(chain_lengths, heads, a, b), restricted)
-    return sms if stage_end + walk > stage_total else restricted
+    rest_us = (sum(chain_lengths) - done) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
+    return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK * rest_us <= step * fast else restricted

@@ -149,26 +149,30 @@ def test_pipeline_groups():
 
 
 def test_pipelined_walk_sms():
-    """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless,
-    so planned, it would outlast the whole chunk stage (then all SMs); the last group's on all."""
+    """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless it
+    stays the critical path on every SM with the rest of the chunk stage slowed beside it (then all
+    SMs); the last group's on all. The packs' decisions are the ones measured (forms_ab pipeline)."""
     fit.pipelined_walk_sms.cache_clear()
-    # many short documents, four groups: no walk outlasts the chunk stage after it
+    # many short documents, four groups: the chains outnumber the SMs anyway
     short = tuple([20] * 400)
-    groups = fit.plan_pipeline(short)
-    assert [fit.pipelined_walk_sms("kda_fwd_tape", short, 32, 132, i) for i in range(len(groups))] == [132] * 4
+    assert [fit.pipelined_walk_sms("kda_fwd_tape", short, 32, 132, i) for i in range(4)] == [132] * 4
     assert fit.pipelined_walk_sms("kda_fwd_tape", short, 1, 132, 0) == 100  # 100 chains of one head
-    # Q6 (200,000 + 49,856 tokens): the long document's walk on 32 SMs would end ~14 ms after the
-    # chunk stage: it gets them all (quarter CTAs, 4 x 32 <= 132), the short one is last anyway
+    # Q1 at 32 heads: every walk but the last restricted (20.30 ms forward; all on every SM: 23.44)
+    q1 = (1585, 641, 1216, 465)
+    assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 132]
+    assert [fit.pipelined_walk_sms(p, q1, 32, 66, i) for p in ("kda_fwd_tape", "kda_bwd_tape")
+            for i in range(3)] == [32] * 6
+    # Q6 (200,000 + 49,856 tokens): the long document's walk, with 20 % of the chunk stage after it,
+    # gets every SM (quarter CTAs, 4 x 32 <= 132): 28.25 -> 23.29 ms forward
     q6 = (3125, 779)
     assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
     fit._decide.cache_clear()
     assert fit.plan_walk("kda_fwd_tape", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
-    # one long document then 200 short ones, one head: the long walk is critical (all SMs); the first
-    # run of short ones keeps its own 63 SMs (its walks end long before the chunk stage does); the
-    # later runs, whose walks would end after it, get all
+    # one long document then 200 short ones, one head: the long walk gets every SM, the short runs
+    # (walks of 40 chunks beside most of the chunk stage) keep their own SMs
     tail = (3000,) + (40,) * 200
     assert fit.plan_pipeline(tail) == ((0, 1), (1, 64), (64, 133), (133, 201))
-    assert [fit.pipelined_walk_sms("kda_fwd_tape", tail, 1, 132, i) for i in range(4)] == [132, 63, 132, 132]
+    assert [fit.pipelined_walk_sms("kda_fwd_tape", tail, 1, 132, i) for i in range(4)] == [132, 63, 69, 132]
     # session 4's rule for the A/B: every group but the last restricted
     fit.PIPELINE_CRITICAL_PATH = False
     try:
