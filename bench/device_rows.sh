@@ -9,7 +9,7 @@
 #     GPU 0: the GPU tests matching TESTS_K (pytest -k), the forms A/B (AB: forms_ab.py's arguments),
 #            the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
 #            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 (H64_ARGS, e.g. --no-fla);
-#     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack).
+#     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack; CP1_ARGS, e.g. --no-fla).
 # Defaults: CP2_PACKS=all CP2_S=340 H64_S=90 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
 # CP2_ARGS passes more arguments to the CP2 benchmark (e.g. "--layouts zigzag --no-fla").
 source "$(dirname "$0")/device_env.sh"
@@ -72,7 +72,7 @@ fi
   fi
   if [ "$CP1" = 1 ]; then
     timeout $(cap 150) torchrun --nproc-per-node 1 -m kda_aot.bench cp --pack all --iters 5 --layouts contiguous \
-      --walk-forms auto,full --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "B: cp1 rc $?"
+      --walk-forms auto,full ${CP1_ARGS:-} --out "$W/cp" > "$W/cp1.log" 2>      --walk-forms auto,full --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "B: cp1 rc $?"1; stamp "B: cp1 rc $?"
   fi
 ) &
 wait
