@@ -72,7 +72,7 @@ fi
   fi
   if [ "$CP1" = 1 ]; then
     timeout $(cap 150) torchrun --nproc-per-node 1 -m kda_aot.bench cp --pack all --iters 5 --layouts contiguous \
-      --walk-forms auto,full ${CP1_ARGS:-} --out "$W/cp" > "$W/cp1.log" 2>      --walk-forms auto,full --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "B: cp1 rc $?"1; stamp "B: cp1 rc $?"
+      --walk-forms auto,full ${CP1_ARGS:-} --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "B: cp1 rc $?"
   fi
 ) &
 wait
