@@ -302,14 +302,17 @@ def _check_dout(dout, q):
         raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
 
 
-def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, out=None,
-                       tape_form=None, sm_count=None, pool=None):
+def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, need_dtape=True,
+                       out=None, tape_form=None, sm_count=None, pool=None):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
-    (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END,
-    d_initial_state [N, H, 128, 128] fp32 or None). `out` may hold preallocated tensors.
+    (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END, or None,
+    d_initial_state [N, H, 128, 128] fp32 or None). need_dtape=False: the offset walk (context
+    parallelism's entering-state gradients: no tape written). `out` may hold preallocated tensors.
     tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
     q = saved["q"]
+    if not (need_dtape or need_dinitial_state):
+        raise ValueError("chunk_kda_bwd_walk: need_dtape and need_dinitial_state are both False: nothing to compute")
     _check_dout(dout, q)
     N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
     scale = saved["scale"]
@@ -317,7 +320,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     f32 = dict(device=q.device, dtype=torch.float32)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
     t.update(dout=dout.contiguous(), dfinal_state=dfinal_state,
-             dtape=out_or(out, "dtape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)),
+             dtape=out_or(out, "dtape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if need_dtape else None,
              dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                              if need_dinitial_state else None))
     _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form, sm_count, pool)
@@ -432,13 +435,13 @@ def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
     return groups
 
 
-def replay_walks(prepared: dict, initial_state, dout, dfinal_state):
+def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=True):
     """The replay's two walks over a chunk stage prepared with save_tape: the forward walk (tape and
     V', no output) and, when `dout` is given, the backward walk (dtape, d_initial_state) — which reads
     only the chunk stage's outputs — side by side: the forward walk on a side stream, each planned on
     half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
-    [dtape, d_initial_state] or None). Bitwise the same as the walks one after the other
-    (KDA_AOT_REPLAY_OVERLAP=0, for A/B runs)."""
+    [dtape, d_initial_state] or None; dtape None for need_dtape=False, the offset walk). Bitwise the
+    same as the walks one after the other (KDA_AOT_REPLAY_OVERLAP=0, for A/B runs)."""
     q = prepared["q"]
     T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
@@ -447,7 +450,8 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state):
     if dout is None or os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") == "0":
         _, _, saved = chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
                                      want_output=False)
-        walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state))
+        walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state,
+                                                                 need_dtape=need_dtape))
         return saved, walk
     main = torch.cuda.current_stream(q.device)
     side = _side_streams(q.device, 1, "replay")[0]
@@ -457,7 +461,7 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state):
         with torch.cuda.stream(side):
             _, _, saved = chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
                                          want_output=False, sm_count=half)
-        walk = list(chunk_kda_bwd_walk(prepared, dout, dfinal_state, sm_count=half))
+        walk = list(chunk_kda_bwd_walk(prepared, dout, dfinal_state, need_dtape=need_dtape, sm_count=half))
     finally:
         main.wait_stream(side)
     return saved, walk

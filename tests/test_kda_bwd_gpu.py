@@ -235,6 +235,11 @@ def test_bwd_walk_forms_are_bitwise_equal(chains, H, form):
     other = chunk_kda_bwd_walk(saved, dout, dht, tape_form=form,
                                out={"dtape": poisoned(full[0]), "dinitial_state": poisoned(full[1])})
     assert torch.equal(full[0], other[0]) and torch.equal(full[1], other[1])
+    # the offset walk (no tape written: context parallelism's entering-state gradients), every form
+    for offset_form in ("full", form):
+        dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, need_dtape=False, tape_form=offset_form,
+                                        out={"dinitial_state": poisoned(full[1])})
+        assert dtape is None and torch.equal(dh0, full[1]), offset_form
 
 
 MIXED_PLANS = [(("split", 0, 1), ("full", 1, 3), ("split", 3, 5)), (("full", 0, 4), ("split", 4, 5))]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conftest import SEED, gpu
 from kda_aot import reference
-from kda_aot.kda import chunk_kda_fwd
+from kda_aot.kda import chunk_kda_fwd, chunk_kda_walk
 
 pytestmark = gpu
 REL = 1e-2
@@ -158,6 +158,11 @@ def test_walk_forms_are_bitwise_equal(chains, H, form):
                                     "vnew": poisoned(s1["vnew"])})
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
     assert torch.equal(s1["tape"], s2["tape"]) and torch.equal(s1["vnew"], s2["vnew"])
+    # the offset walk (end states only: context parallelism's summaries), every form
+    for offset_form in ("full", form):
+        o3, h3, s3 = chunk_kda_walk(s1, initial_state=h0, output_final_state=True, want_output=False,
+                                    tape_form=offset_form, out={"final_state": poisoned(h1)})
+        assert o3 is None and s3["tape"] is None and torch.equal(h3, h1), offset_form
 
 
 @pytest.mark.parametrize("form", ["full", "split"])

@@ -196,3 +196,11 @@ def test_backward_forms_are_checked_before_any_kernel(monkeypatch):
     monkeypatch.setenv("KDA_AOT_GATE_FORM", "half")
     with pytest.raises(ValueError, match="gate_form: expected one of"):
         chunk_kda_bwd({}, None)
+
+
+def test_backward_walk_that_writes_nothing_is_refused():
+    """need_dtape=False (the offset walk) with need_dinitial_state=False would compute nothing."""
+    from kda_aot.kda import chunk_kda_bwd_walk
+    q = good()[0]
+    with pytest.raises(ValueError, match="nothing to compute"):
+        chunk_kda_bwd_walk({"q": q}, torch.zeros_like(q), need_dtape=False, need_dinitial_state=False)

@@ -31,8 +31,8 @@ states:
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
 the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
-state walk alone (its d_initial_state is the one the full backward returns), replay = the forward
-walk (no output) beside the backward state walk (kda.replay_walks).
+offset walk (the state walk writing no tape; its d_initial_state is the one the full backward
+returns), replay = the forward walk (no output) beside the backward offset walk (kda.replay_walks).
 """
 from __future__ import annotations
 
@@ -139,7 +139,8 @@ class CudaBackend:
         from ..kda import replay_walks
         saved, bwd = replay_walks(prepared, states.to(torch.float32).contiguous(),
                                   None if dfinals is None else do.to(torch.bfloat16).contiguous(),
-                                  None if dfinals is None else dfinals.to(torch.float32).contiguous())
+                                  None if dfinals is None else dfinals.to(torch.float32).contiguous(),
+                                  need_dtape=False)  # the offset walk: D alone
         return saved, (None if bwd is None else bwd[1])
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
@@ -148,8 +149,8 @@ class CudaBackend:
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd_walk
-        return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(),
-                                  dfinals.to(torch.float32).contiguous())[1]
+        return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
+                                  need_dtape=False)[1]  # the offset walk: no tape written
 
 
 def get_backend(backend, dtype: Optional[torch.dtype] = None):
