@@ -109,6 +109,9 @@ def test_backward_walk_binding_checks():
     bad = dict(full, dout=q.float())
     with pytest.raises(TypeError, match="dout: expected dtype bfloat16"):
         lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
+    nothing = {n: describe(x, n) for n, x in full.items() if n != "dtape"}  # the offset walk with no output
+    with pytest.raises(TypeError, match="kda_bwd_tape/full: expected a tensor for dtape or dinitial_state"):
+        lib.launch(nothing, 1.0, 0)
     bad = dict(full, dtape=full["dtape"][:1])
     with pytest.raises(ValueError, match=r"dtape: expected shape \[n_chunks, H, 128, 128\]"):
         lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)

@@ -20,7 +20,9 @@ struct KdaTensors {
   }
 };
 
-inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what) {
+// need: tensors that must be given; need_one: tensors of which at least one must be given.
+inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what,
+                                    const std::vector<std::string>& need_one = {}) {
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
@@ -37,6 +39,15 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   }
   for (const auto& name : need)
     if (!t.count(name) || !t[name].present) fail_type(name + ": a tensor is required by " + what);
+  if (!need_one.empty()) {
+    bool any = false;
+    std::string names;
+    for (const auto& name : need_one) {
+      any = any || (t.count(name) && t[name].present);
+      names += (names.empty() ? "" : " or ") + name;
+    }
+    if (!any) fail_type(std::string(what) + ": expected a tensor for " + names);
+  }
 
   // q (or dout) fixes T and H; chunks fixes the chunk count; seg_chunks the segment count.
   const Tensor& q = t.count("q") && t["q"].present ? t["q"] : t["dout"];
@@ -167,9 +178,11 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   run_launcher(launcher, a, stream, what);
 }
 
+// need_one: tensors of which at least one must be given (outputs of which a call may leave some out).
 inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what) {
-  const KdaTensors k = check_kda_tensors(tensors, need, what);
+                           int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what,
+                           const std::vector<std::string>& need_one = {}) {
+  const KdaTensors k = check_kda_tensors(tensors, need, what, need_one);
   KdaBwdArgs a{};
   a.dout = reinterpret_cast<const uint16_t*>(k.ptr("dout"));
   a.w = reinterpret_cast<const uint16_t*>(k.ptr("w"));
