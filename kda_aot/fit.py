@@ -222,3 +222,43 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     rest_us = (sum(chain_lengths) - done) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
     return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK * rest_us <= step * fast else restricted
+
+
+# Pieces of the CP summary walks (kda_aot.cp, batched summaries): a fragment of n chunks is walked as
+# up to MAX_SUMMARY_PIECES chunk-aligned pieces, each from zero and with its own transfer, composed
+# after in fp32 (S_out = M_p ... M_1 S_in + ...); at least MIN_SUMMARY_PIECE chunks a piece, so that the
+# compositions (two [H, 128, 128] products per extra piece) stay small beside the walks.
+MAX_SUMMARY_PIECES = 8
+MIN_SUMMARY_PIECE = 32
+# An extra piece costs its fragment two batched fp32 products and their launches (~20 us), about
+# three walk steps: more pieces must pay for themselves.
+COMPOSE_STEPS_PER_PIECE = 3.0
+
+
+@functools.lru_cache(maxsize=1024)
+def summary_pieces(chain_lengths: tuple, heads: int, sms: int) -> tuple:
+    """Pieces per fragment for one batched summary launch over fragments of `chain_lengths` chunks:
+    the uniform piece length (the longest fragment cut in p = 1 .. MAX_SUMMARY_PIECES) whose launch
+    (every piece x head a chain, one CTA per SM, in launch order) plus the compositions has the
+    shortest predicted time, in walk steps; ties keep fewer pieces. E.g. one fragment of 1,953
+    chunks at 32 heads on 132 SMs: 4 pieces (128 chains of <= 489 steps; 5 would make 160 chains,
+    two waves); eight of 1,000 chunks: 1 (256 chains keep every SM busy already)."""
+    lengths = [int(n) for n in chain_lengths]
+    if not lengths or max(lengths) <= MIN_SUMMARY_PIECE:
+        return tuple(1 for _ in lengths)
+    best, best_span = None, None
+    for p in range(1, MAX_SUMMARY_PIECES + 1):
+        piece = max(MIN_SUMMARY_PIECE, -(-max(lengths) // p))
+        counts = tuple(max(1, -(-n // piece)) for n in lengths)
+        chains = [float(len_) for n, c in zip(lengths, counts) for len_ in piece_lengths(n, c)]
+        span = (makespan([x for _ in range(heads) for x in chains], sms)
+                + COMPOSE_STEPS_PER_PIECE * (sum(counts) - len(lengths)))
+        if best_span is None or span < best_span:
+            best, best_span = counts, span
+    return best
+
+
+def piece_lengths(n: int, pieces: int) -> list:
+    """n chunks cut into `pieces` runs as equal as they come, longer ones first."""
+    base, extra = divmod(n, pieces)
+    return [base + (1 if i < extra else 0) for i in range(pieces)]

@@ -63,6 +63,32 @@ def test_summary_from_the_local_chunk_stage_is_bitwise_the_fragments():
         assert torch.equal(M1, M2) and torch.equal(B1, B2) and torch.equal(M1, M3) and B3 is None
 
 
+def test_batched_summaries_match_reference_and_keep_their_bits():
+    """summaries_of (all requested segments in two launches, each cut into chunk-aligned pieces
+    walked from zero and composed in fp32): M and B against the fp64 reference; a request for a
+    subset with the same plan_segments gives each segment's M bitwise (the backward's M are the
+    forward's); B is None where not asked for."""
+    from kda_aot import fit
+    lens, H = [130, 5000, 65, 3000, 1], 2
+    q, k, v, g, beta, cu, _ = make(lens, H, "rand", rng("cp-batched"), False)
+    cu_local = cu.cpu().tolist()
+    be, ref = CudaBackend(), ReferenceBackend(torch.float64)
+    prepared = be.prepare(q, k, v, g, beta, cu_local, 128 ** -0.5, keep=False)
+    segments = [0, 1, 3, 4]
+    chunks = tuple(int(prepared["chain_lengths"][s]) for s in segments)
+    assert max(fit.summary_pieces(chunks, H, torch.cuda.get_device_properties(0).multi_processor_count)) > 1
+    got = be.summaries_of(prepared, [(s, True) for s in segments], segments)
+    for seg, (M, B) in zip(segments, got):
+        lo, hi = cu_local[seg], cu_local[seg + 1]
+        rM, rB = ref.summary(*(x.cpu() for x in (k, v, g, beta)), lo, hi)
+        eM, eB = rel_rms(M.cpu(), rM), rel_rms(B.cpu(), rB)
+        print(f"segment {seg}: M {eM:.2e} B {eB:.2e}")
+        assert eM < REL and eB < REL, f"segment {seg}: M {eM:.3e} B {eB:.3e} (seed {SEED})"
+    sub = be.summaries_of(prepared, [(1, False), (4, False)], segments)
+    assert torch.equal(sub[0][0], got[1][0]) and torch.equal(sub[1][0], got[3][0])
+    assert sub[0][1] is None and sub[1][1] is None
+
+
 @pytest.mark.parametrize("overlap", ["1", "0"])
 def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
     """CudaBackend.replay (the forward walk beside the walk for D) against forward(keep=True) then

@@ -27,7 +27,9 @@ from kda_aot.nn import PackedKDA  # noqa: E402
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 W, H, K = 2, 2, 128
 REL = 1e-2
-PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100]}  # T % 4 == 0 (zigzag)
+PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100],
+         "long": [9000, 300, 4200]}  # T % 4 == 0 (zigzag); "long": fragments of > 32 chunks (summary pieces)
+BATCHED = {"KDA_AOT_CP_BATCHED_SUMMARIES": "1"}
 _JOB = {}
 
 
@@ -84,6 +86,10 @@ def results(name):
         cases = [{"kind": "op", "backend": "cuda", "name": f"{lay}/{pack}", "layout": lay,
                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                   "modes": ["saved", "replay"]} for lay in cp.LAYOUTS for pack in PACKS]
+        # the batched summaries (all fragments at once, in pieces composed in fp32)
+        cases += [{"kind": "op", "backend": "cuda", "name": f"batched/{lay}/{pack}", "layout": lay,
+                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
+                   "modes": ["saved", "replay"], "env": BATCHED} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
         for lay in cp.LAYOUTS:
             x, sd, _ = module_case("spans")
             cases.append({"kind": "module", "backend": "cuda", "name": f"module/{lay}/spans", "layout": lay,
@@ -99,10 +105,13 @@ def rel_rms(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("layout,pack", [(lay, p) for lay in cp.LAYOUTS for p in PACKS])
-def test_cuda_backend_matches_reference(layout, pack):
-    res = results(f"{layout}/{pack}")
-    G.check_modes_bitwise(res, f"cuda {layout} {pack}")
+@pytest.mark.parametrize("layout,pack,summaries", [(lay, p, "per-fragment") for lay in cp.LAYOUTS for p in PACKS]
+                         + [(lay, p, "batched") for lay in cp.LAYOUTS for p in ("mixed", "long")])
+def test_cuda_backend_matches_reference(layout, pack, summaries):
+    """Both summary paths: one per fragment, and batched (KDA_AOT_CP_BATCHED_SUMMARIES=1: all the
+    rank's fragments in two launches, each fragment cut into pieces composed in fp32)."""
+    res = results(f"{layout}/{pack}" if summaries == "per-fragment" else f"batched/{layout}/{pack}")
+    G.check_modes_bitwise(res, f"cuda {summaries} {layout} {pack}")
     plan = cp.make_plan(G.cu_of(PACKS[pack]), layout, world_size=W, rank=0)
     want = expected(pack)
     loc = [r["saved"] for r in res]

@@ -182,3 +182,19 @@ def test_pipelined_walk_sms():
     finally:
         fit.PIPELINE_CRITICAL_PATH = True
         fit.pipelined_walk_sms.cache_clear()
+
+
+def test_summary_pieces():
+    """CP summary walks in pieces: the cut with the shortest predicted launch plus compositions;
+    short fragments and launches that fill the SMs anyway stay whole."""
+    fit.summary_pieces.cache_clear()
+    assert fit.summary_pieces((1953,), 32, 132) == (4,)      # 128 chains; 5 pieces would be two waves
+    assert fit.summary_pieces((20,), 32, 132) == (1,)        # under MIN_SUMMARY_PIECE
+    assert fit.summary_pieces((1000,) * 8, 32, 132) == (1,) * 8  # 256 chains fill the SMs already
+    assert fit.summary_pieces((), 32, 132) == ()
+    counts = fit.summary_pieces((792, 320, 608, 232), 32, 132)  # doc_zigzag Q1, rank 1
+    assert all(1 <= c <= fit.MAX_SUMMARY_PIECES for c in counts) and counts[0] > 1
+    assert fit.summary_pieces((3000,), 1, 132) == (fit.MAX_SUMMARY_PIECES,)
+    for n, p in ((1953, 4), (7, 3), (64, 1), (65, 2)):
+        lengths = fit.piece_lengths(n, p)
+        assert sum(lengths) == n and len(lengths) == p and max(lengths) - min(lengths) <= 1

@@ -24,6 +24,11 @@ states:
         exchange so that it overlaps the wait; then summary_of(prepared, segment, need_b) ->
         (M, B or None) replaces summary for local segments, and forward(..., prepared=prepared)
         runs only the rest. All bitwise the same as without it.
+    summaries_of(prepared, requests, plan_segments) -> [(M, B or None)]               (optional)
+        several segments' summaries at once (batched, each walked as pieces composed in fp32:
+        another rounding order, within the fp32 summary bound); used instead of summary_of
+        under KDA_AOT_CP_BATCHED_SUMMARIES=1. Each segment's bits depend only on the segment and
+        on plan_segments, which the op keeps the same in the forward and the backward.
     replay(prepared, states, do, dfinals) -> (ctx, dstates or None)                  (optional)
         the replay backward's forward(keep=True) on a prepared chunk stage and, when dfinals is
         given, state_grads(ctx, do, dfinals) — in any order or concurrently; bitwise the same as
@@ -37,6 +42,8 @@ returns), replay = the forward walk (no output) beside the backward offset walk 
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+import itertools
 
 import torch
 
@@ -121,6 +128,43 @@ class CudaBackend:
             _, B, _ = chunk_kda_walk(view, output_final_state=True, want_output=False)
             B = B[0]
         return chunk_kda_transfer(view)[0], B
+
+    def summaries_of(self, prepared, requests, plan_segments):
+        """[(M, B or None)] of the local segments in `requests` ((segment, need_b) pairs) in two
+        launches over all of them at once: each segment cut into chunk-aligned pieces (the numbers
+        fit.summary_pieces picks for the segments `plan_segments`, which include the requested ones:
+        the forward's set, so that the backward's M have the forward's bits), every piece walked
+        from zero (B: the forward offset walk, only when some request needs B) and by the transfer
+        walk (M), side by side, then composed in fp32 (summaries.compose_pieces). The chunk tables
+        are gathered to the pieces (the kernels index per-chunk tensors by the table's rows), the
+        token tensors shared. Another rounding order than summary_of: within the fp32 summary bound."""
+        from .. import fit
+        from ..kda import _sm_count, chunk_kda_transfer, chunk_kda_walk
+        from .summaries import compose_pieces
+        lengths = [int(n) for n in prepared["chain_lengths"]]
+        H, device = prepared["q"].shape[2], prepared["q"].device
+        planned = dict(zip(plan_segments, fit.summary_pieces(tuple(lengths[s] for s in plan_segments), H,
+                                                             _sm_count(device))))
+        first = [0, *itertools.accumulate(lengths)]
+        rows, bounds, pieces, counts = [], [0], [], []
+        for segment, _ in requests:
+            c = first[segment]
+            counts.append(planned[segment])
+            for n in fit.piece_lengths(lengths[segment], planned[segment]):
+                rows.extend(range(c, c + n))
+                c += n
+                bounds.append(len(rows))
+                pieces.append(n)
+        sel = torch.tensor(rows, dtype=torch.long, device=device)
+        view = dict(prepared, chunks=prepared["chunks"].index_select(0, sel),
+                    gamma=prepared["gamma"].index_select(0, sel),
+                    seg_chunks=torch.tensor(bounds, dtype=torch.int32, device=device),
+                    chain_lengths=tuple(pieces))
+        B = None
+        if any(need_b for _, need_b in requests):
+            _, B, _ = chunk_kda_walk(view, output_final_state=True, want_output=False)
+        summaries = compose_pieces(chunk_kda_transfer(view), B, counts)
+        return [(M, Bf if need_b else None) for (M, Bf), (_, need_b) in zip(summaries, requests)]
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
                 scale: float, keep: bool, prepared=None):

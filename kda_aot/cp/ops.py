@@ -126,6 +126,24 @@ def _summary(backend, prepared, f, k, v, g, beta, need_b: bool):
     return backend.summary(k, v, g, beta, f.local_start, f.local_start + f.length)
 
 
+def _batched_summaries_on() -> bool:
+    """KDA_AOT_CP_BATCHED_SUMMARIES=1: a backend's summaries_of, all fragments at once in pieces
+    (off until measured on the GPU; bench/NOTES.md, session 5)."""
+    return os.environ.get("KDA_AOT_CP_BATCHED_SUMMARIES", "0") == "1"
+
+
+def _summaries(backend, prepared, local, frags, k, v, g, beta, need_b: bool) -> dict:
+    """{f.index: (M, B or None)} of the local fragments `frags`. Batched (summaries_of) when the
+    backend has it and the knob is on, its pieces planned on the fragments the forward summarises
+    (every local fragment but the last of its document) in both passes, so that the backward's M
+    are the forward's bits; else one summary per fragment."""
+    if prepared is not None and frags and _batched_summaries_on() and hasattr(backend, "summaries_of"):
+        planned = [f.segment for f in local if not f.is_last]
+        got = backend.summaries_of(prepared, [(f.segment, need_b) for f in frags], planned)
+        return {f.index: mb for f, mb in zip(frags, got)}
+    return {f.index: _summary(backend, prepared, f, k, v, g, beta, need_b) for f in frags}
+
+
 def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):
     """The local forward with entering states (the rest of it when `prepared`)."""
     extra = {} if prepared is None else {"prepared": prepared}
@@ -146,10 +164,12 @@ class _ChunkKdaCP(torch.autograd.Function):
         # 1. what the others wait for: (M, B) of middle fragments, exit states of first ones.
         items, M_local = {}, {}
         with _Phase("fwd summary walks", q.device):
+            summaries = _summaries(backend, prepared, local, [f for f in local if not f.is_last], k, v, g, beta,
+                                   need_b=True)
             for f in local:
                 if f.is_last:
                     continue
-                M, B = _summary(backend, prepared, f, k, v, g, beta, need_b=True)
+                M, B = summaries[f.index]
                 if f.needs_state:
                     items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
                     M_local[f.index] = M
@@ -228,10 +248,9 @@ class _ChunkKdaCP(torch.autograd.Function):
                         _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
                                               keep=True)
                 with _Phase("bwd summary walks", q.device):
-                    for f in local:
-                        if f.needs_state and not f.is_last:
-                            M_local[f.index] = _summary(backend, prepared, f, k, v, g, beta,
-                                                        need_b=False)[0]
+                    frags = [f for f in local if f.needs_state and not f.is_last]
+                    M_local = {i: mb[0] for i, mb in
+                               _summaries(backend, prepared, local, frags, k, v, g, beta, need_b=False).items()}
 
         # 1. D (dS_out = 0) of the local fragments whose entering-state gradient others wait for.
         if need_d and first_pass is None:

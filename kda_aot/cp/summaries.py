@@ -40,7 +40,7 @@ import torch
 from .plan import CPPlan, Fragment
 
 __all__ = ["forward_payload_size", "backward_payload_size", "compose_entering_states",
-           "compose_exit_grads", "ieee_fp32"]
+           "compose_exit_grads", "compose_pieces", "ieee_fp32"]
 
 
 @contextlib.contextmanager
@@ -140,3 +140,21 @@ def exit_state(M: torch.Tensor, B: torch.Tensor, S0: Optional[torch.Tensor]) -> 
         return B
     with ieee_fp32(B.device):
         return torch.baddbmm(B, M, S0.to(B.dtype))
+
+
+def compose_pieces(M: torch.Tensor, B: Optional[torch.Tensor], counts) -> list:
+    """Summaries of fragments walked as consecutive pieces: M [P, H, K, K] and B [P, H, K, V] (or
+    None) of the P pieces in order, `counts` pieces per fragment; returns [(M_f, B_f or None)] with
+    M_f = M_p ... M_1 and B_f = M_p (... (M_2 B_1 + B_2) ...) + B_p: piece j's exit state is piece
+    j + 1's entering one. Composed in the state dtype, never TF32."""
+    out, j = [], 0
+    with ieee_fp32(M.device):
+        for n in counts:
+            Mf, Bf = M[j], None if B is None else B[j]
+            for i in range(j + 1, j + n):
+                if Bf is not None:
+                    Bf = torch.baddbmm(B[i], M[i], Bf)
+                Mf = torch.bmm(M[i], Mf)
+            out.append((Mf, Bf))
+            j += n
+    return out
