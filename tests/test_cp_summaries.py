@@ -59,3 +59,53 @@ def test_several_fragments_in_one_call():
     assert len(got) == 3
     for (M, B), (wM, wB) in zip(got, want):
         assert rel(M, wM) < 1e-10 and rel(B, wB) < 1e-10
+
+
+def test_batched_summaries_gather_the_pieces(monkeypatch):
+    """CudaBackend.summaries_of's bookkeeping on the CPU: the walks are replaced by the fp64
+    reference over the tokens of each view segment's chunk rows (which must be consecutive chunks
+    of one segment, with gamma rows gathered alongside), so the composed summaries must equal each
+    requested segment's own summary to fp64 rounding, for pieces planned on a larger set."""
+    from kda_aot import fit, kda
+    from kda_aot.cp.backends import CudaBackend
+    from kda_aot.packing import pack_tables
+
+    gen = torch.Generator().manual_seed(SEED + 11)
+    H, K = 2, 8
+    lens = [130, 5000, 65, 3000, 1]
+    T = sum(lens)
+    k, v, g, beta = fragment(T, H, K, gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    tables = pack_tables(cu, T, "cpu")
+    C = tables.chunks.shape[0]
+    prepared = {"q": torch.zeros(1, T, H, K), "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
+                "chain_lengths": tables.chain_lengths,
+                "gamma": torch.arange(C, dtype=torch.float64).view(C, 1, 1).expand(C, H, K).contiguous()}
+    starts = tables.chunks[:, 0].tolist()
+
+    def walk_pieces(view):
+        Ms, Bs = [], []
+        seg = view["seg_chunks"].tolist()
+        for a, b in zip(seg, seg[1:]):
+            rows = view["chunks"][a:b]
+            assert torch.equal(view["gamma"][a:b, 0, 0], torch.tensor([starts.index(t) for t in rows[:, 0].tolist()],
+                                                                      dtype=torch.float64))
+            assert all(rows[i, 1] == rows[i + 1, 0] for i in range(len(rows) - 1))  # consecutive chunks
+            lo, hi = int(rows[0, 0]), int(rows[-1, 1])
+            M, B = reference.fragment_summary(k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])
+            Ms.append(M)
+            Bs.append(B)
+        return torch.stack(Ms), torch.stack(Bs)
+
+    monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kda, "chunk_kda_walk", lambda view, **kw: (None, walk_pieces(view)[1], None))
+    monkeypatch.setattr(kda, "chunk_kda_transfer", lambda view: walk_pieces(view)[0])
+    plan = [0, 1, 3, 4]
+    chunks = tuple(int(tables.chain_lengths[s]) for s in plan)
+    assert max(fit.summary_pieces(chunks, H, 132)) > 1
+    got = CudaBackend().summaries_of(prepared, [(1, True), (3, False), (4, True)], plan)
+    for seg, (M, B), want_b in zip((1, 3, 4), got, (True, False, True)):
+        lo, hi = int(cu[seg]), int(cu[seg + 1])
+        wM, wB = reference.fragment_summary(k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])
+        assert rel(M, wM) < 1e-10, seg
+        assert (B is None) if not want_b else rel(B, wB) < 1e-10, seg
