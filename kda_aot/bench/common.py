@@ -85,16 +85,21 @@ def write_rows(rows: list[dict], suite: str, out_dir: Path | None = None) -> Pat
     return path
 
 
-def with_walk_form(form, fn):
-    """fn with the fit rule's knob forced to `form` during the call (auto: the rule decides)."""
+def with_env(name: str, value: str, fn):
+    """fn with the environment knob `name` set to `value` during the call."""
     def call():
-        old = os.environ.get("KDA_AOT_WALK_FORM")
-        os.environ["KDA_AOT_WALK_FORM"] = form
+        old = os.environ.get(name)
+        os.environ[name] = value
         try:
             return fn()
         finally:
             if old is None:
-                del os.environ["KDA_AOT_WALK_FORM"]
+                del os.environ[name]
             else:
-                os.environ["KDA_AOT_WALK_FORM"] = old
+                os.environ[name] = old
     return call
+
+
+def with_walk_form(form, fn):
+    """fn with the fit rule's knob forced to `form` during the call (auto: the rule decides)."""
+    return with_env("KDA_AOT_WALK_FORM", form, fn)

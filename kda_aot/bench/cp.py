@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 from .. import cp
 from ..nn import PackedKDA
-from .common import row, with_walk_form, write_rows
+from .common import row, with_env, with_walk_form, write_rows
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
+BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops
+BATCHED_ARM = "kda_aot/batched"
 
 
 def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> float:
@@ -68,7 +70,7 @@ def fla_kda():
 
 
 def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",),
-        layouts=LAYOUTS, with_fla=True) -> list[dict]:
+        layouts=LAYOUTS, with_fla=True, batched=False) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows, t_start = [], time.monotonic()
@@ -103,6 +105,9 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             for wf in walk_forms:  # issue 5: the fit rule (auto) against forced forms, interleaved
                 name = "kda_aot" if wf == "auto" else f"kda_aot@{wf}"
                 arms[(name, "B1")], arms[(name, "B3")] = with_walk_form(wf, b1), with_walk_form(wf, b3)
+            if batched:  # the batched summaries (all fragments at once, in pieces) against one per fragment
+                arms[(BATCHED_ARM, "B1")], arms[(BATCHED_ARM, "B3")] = (with_env(BATCHED_KNOB, "1", b1),
+                                                                        with_env(BATCHED_KNOB, "1", b3))
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -128,10 +133,12 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                     if first and rank == 0:  # warm-ups included: FLA's autotuning shows here
                         print(f"[{time.monotonic() - t_start:.0f} s] {pack} {layout} {key[0]} {key[1]}: first call "
                               f"{time.monotonic() - t_arm:.1f} s", file=sys.stderr, flush=True)
-            phases = _phases_by_rank(b3, iters=3)
+            phases = {"kda_aot": _phases_by_rank(b3, iters=3)}
+            if batched:
+                phases[BATCHED_ARM] = _phases_by_rank(with_env(BATCHED_KNOB, "1", b3), iters=3)
             new = []
             for (arm, boundary), ts in times.items():
-                extra = {"phases_ms_by_rank": phases} if (arm, boundary) == ("kda_aot", "B3") else {}
+                extra = {"phases_ms_by_rank": phases[arm]} if boundary == "B3" and arm in phases else {}
                 form = (arm.partition("@")[2] or "auto") if arm.startswith("kda_aot") else None
                 new.append(row("cp", pack=pack, heads=H, cp=world, layout=layout, boundary=boundary,
                                mode="replay", arm=arm, walk_form=form, ms=round(statistics.median(ts), 3),
@@ -157,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--walk-forms", default="auto", help="fit-rule knob per kda_aot arm, e.g. auto,full")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
     p.add_argument("--no-fla", action="store_true", help="leave out flash-linear-attention's CP arm")
+    p.add_argument("--batched-summaries", action="store_true",
+                   help=f"add the arm {BATCHED_ARM} ({BATCHED_KNOB}=1: every fragment's summary at once, in pieces)")
     args = p.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
@@ -168,7 +177,8 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl")
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
-                   walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla)
+                   walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla,
+                   batched=args.batched_summaries)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))
