@@ -7,7 +7,7 @@
          split_horner) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
-         walks' SMs) and in the plain order.
+         walks' SMs; the replay also with its backward stages behind the walks) and in the plain order.
     python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
 import os
@@ -85,13 +85,15 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     from kda_aot.kda import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
-    arms = {"critical": ("1", True), "restricted": ("1", False), "plain": ("0", True)}
+    arms = {"critical": ("1", True), "restricted": ("1", False), "plain": ("0", True),
+            "critical+bwd": ("1", True)}  # the replay's backward stages pipelined too (KDA_AOT_PIPELINE_BWD)
 
     def arm(name, mode):
         flag, critical = arms[name]
 
         def run():
             os.environ["KDA_AOT_PIPELINE"] = flag
+            os.environ["KDA_AOT_PIPELINE_BWD"] = "1" if name.endswith("+bwd") else "0"
             fit.PIPELINE_CRITICAL_PATH = critical
             fit.pipelined_walk_sms.cache_clear()
             try:
@@ -102,12 +104,13 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
                     x.grad = None
                 chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
             finally:
-                del os.environ["KDA_AOT_PIPELINE"]
+                del os.environ["KDA_AOT_PIPELINE"], os.environ["KDA_AOT_PIPELINE_BWD"]
                 fit.PIPELINE_CRITICAL_PATH = True
                 fit.pipelined_walk_sms.cache_clear()
         return run
     for mode in ("forward", "saved", "replay"):
-        ms = interleaved({name: arm(name, mode) for name in arms}, iters=9 if mode == "forward" else 7, warmup=1)
+        names = [name for name in arms if mode == "replay" or not name.endswith("+bwd")]
+        ms = interleaved({name: arm(name, mode) for name in names}, iters=9 if mode == "forward" else 7, warmup=1)
         print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 

@@ -224,6 +224,30 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK * rest_us <= step * fast else restricted
 
 
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_finish_order(chain_lengths: tuple, heads: int, sms: int) -> tuple:
+    """The pipelined replay's groups (plan_pipeline's indices) in their predicted order of walk
+    completion, for the backward stages that follow each group's two walks: a group's walks start
+    when its chunk stage ends and last as the slower of its forward and backward walk on the SMs
+    pipelined_walk_sms gives them (the best form's predicted makespan, full-step costs from
+    fit_params.json). Without measured step costs: the reverse launch order (the last groups' walks
+    are the shortest). Ties keep launch order."""
+    groups = plan_pipeline(chain_lengths)
+    rhos = measured_rho()
+    programs = ("kda_fwd_tape", "kda_bwd_tape")
+    if any(walk_step_us(p) is None or p not in rhos for p in programs):
+        return tuple(reversed(range(len(groups))))
+    finish, done = [], 0
+    for i, (a, b) in enumerate(groups):
+        done += sum(chain_lengths[a:b])
+        start = done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
+        walks = [walk_step_us(p) * min(predicted(chain_lengths[a:b], heads,
+                                                 pipelined_walk_sms(p, chain_lengths, heads, sms, i), *rhos[p]).values())
+                 for p in programs]
+        finish.append(start + max(walks))
+    return tuple(sorted(range(len(groups)), key=lambda i: (finish[i], i)))
+
 # Pieces of the CP summary walks (kda_aot.cp, batched summaries): a fragment of n chunks is walked as
 # up to MAX_SUMMARY_PIECES chunk-aligned pieces, each from zero and with its own transfer, composed
 # after in fp32 (S_out = M_p ... M_1 S_in + ...); at least MIN_SUMMARY_PIECE chunks a piece, so that the

@@ -71,6 +71,17 @@ def _side_streams(device: torch.device, n: int, pool: str) -> list:
 
 # Descriptor entries with one row per segment: a launch over segments [a, b) gets rows [a, b).
 _PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state")
+# Chunk-indexed tensors of the chunk-parallel programs: a launch over chunks [first, end) gets them
+# narrowed; the token-indexed ones stay whole (each chunk reads and writes its own tokens).
+_PER_CHUNK = ("chunks", "gamma", "tape", "dtape", "dgam_s")
+
+
+def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
+    """The tensors of t (None and non-tensors left out) for a launch over chunks [first, end)."""
+    part = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
+    if first != 0 or end is not None:
+        part.update({name: part[name][first:end] for name in _PER_CHUNK if name in part})
+    return part
 
 
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
@@ -152,9 +163,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
 def _launch_chunk_stage(t: dict, chunk_form: str, initial_state, first: int = 0, end: int | None = None):
     """kda_fwd_chunk over chunks [first, end) (all by default): the per-chunk tensors (chunks,
     gamma) narrowed to them, the token-indexed ones whole (each chunk writes its own tokens)."""
-    part = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
-    if first != 0 or end is not None:
-        part["chunks"], part["gamma"] = t["chunks"][first:end], t["gamma"][first:end]
+    part = _chunk_range(t, first, end)
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
@@ -227,23 +236,29 @@ def _pipeline_on(pipeline=None) -> bool:
     return os.environ.get("KDA_AOT_PIPELINE", "1") == "1" if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group):
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, after=None):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. The side streams are joined back into
-    the current stream, also when a launch raises: queued work may still read the caller's tensors."""
+    walks run beside the chunk stage of the groups after it. after(groups, events), when given, then
+    launches more on the current stream, events[i] marking the end of group i's walks on each of its
+    side streams. The side streams are joined back into the current stream, also when a launch
+    raises: queued work may still read the caller's tensors."""
     q = prepared["q"]
     groups = fit.plan_pipeline(prepared["chain_lengths"])
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
     main = torch.cuda.current_stream(q.device)
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
     try:
+        events = []
         for i, (a, b) in enumerate(groups):
             _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
             for pool in streams:
                 pool[i].wait_stream(main)
             launch_group(i, a, b, [pool[i] for pool in streams])
+            events.append([pool[i].record_event() for pool in streams])
+        if after is not None:
+            after(groups, events)
     finally:
         for pool in streams:
             for side in pool:
@@ -333,11 +348,20 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     drk, dqg, dkg, daqk, dakk (bf16) and dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
     form: one of BWD_CHUNK_FORMS (default: KDA_AOT_BWD_CHUNK_FORM, else the shipped one)."""
     form = _pick_form("bwd_chunk_form", form, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
+    t = _bwd_chunk_tensors(saved, dout, dtape)
+    _launch_bwd_chunk(t, form)
+    return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
+
+
+_BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")
+
+
+def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
+    """kda_bwd_chunk's inputs (from saved, dout, dtape) and its outputs, allocated (nothing launched)."""
     q = saved["q"]
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
     T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
-    scale = saved["scale"]
     f32 = dict(device=q.device, dtype=torch.float32)
     bf16 = dict(device=q.device, dtype=torch.bfloat16)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
@@ -346,10 +370,41 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
              drk=torch.empty(1, T, H, HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, HEAD_DIM, **bf16),
              dkg=torch.empty(1, T, H, HEAD_DIM, **bf16), daqk=torch.empty(1, T, H, CHUNK, **bf16),
              dakk=torch.empty(1, T, H, CHUNK, **bf16), dbeta_v=torch.empty(1, T, H, **f32),
-             dgam_s=torch.empty(C, H, HEAD_DIM, **f32))
-    desc = {name: describe(x, name) for name, x in t.items() if x is not None}
-    registry.library("kda_bwd_chunk", form).launch(desc, scale, stream_of(q))
-    return {name: t[name] for name in ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")}
+             dgam_s=torch.empty(C, H, HEAD_DIM, **f32), scale=saved["scale"])
+    return t
+
+
+def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
+    """kda_bwd_chunk over chunks [first, end) (all by default)."""
+    desc = {name: describe(x, name) for name, x in _chunk_range(t, first, end).items()}
+    registry.library("kda_bwd_chunk", form).launch(desc, t["scale"], stream_of(t["dout"]))
+
+
+def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
+    """kda_bwd_gate's inputs (from saved and kda_bwd_chunk's outputs) and its outputs, allocated."""
+    q = saved["q"]
+    T, H = q.shape[1], q.shape[2]
+    t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
+    t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
+    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]), scale=saved["scale"])
+    if gate_form.startswith("split"):  # each channel half writes its dbeta partial; summed after, in a fixed order
+        t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
+    else:
+        t["dbeta"] = torch.empty(1, T, H, device=q.device, dtype=torch.float32)
+    return t
+
+
+def _launch_gate(t: dict, gate_form: str, first: int = 0, end: int | None = None):
+    """kda_bwd_gate over chunks [first, end) (all by default)."""
+    desc = {name: describe(x, name) for name, x in _chunk_range(t, first, end).items()}
+    registry.library("kda_bwd_gate", gate_form).launch(desc, t["scale"], stream_of(t["q"]))
+
+
+def _gate_result(t: dict, dv, dh0) -> tuple:
+    """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run."""
+    q = t["q"]
+    dbeta = t["dbeta"] if "dbeta" in t else (t["dbeta_part"][0] + t["dbeta_part"][1]) + t["dbeta_v"][0]
+    return t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None):
@@ -375,29 +430,20 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     if release:
         for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
             saved.pop(name, None)
-    q = saved["q"]
-    t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
-    t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
-    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]))
-    T, H = q.shape[1], q.shape[2]
-    split = gate_form.startswith("split")
-    if split:  # each channel half writes its dbeta partial; summed here in a fixed order
-        t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
-    else:
-        t["dbeta"] = torch.empty(1, T, H, device=q.device, dtype=torch.float32)
-    desc = {name: describe(x, name) for name, x in t.items()}
-    registry.library("kda_bwd_gate", gate_form).launch(desc, saved["scale"], stream_of(q))
-    dbeta = t["dbeta"] if not split else (t["dbeta_part"][0] + t["dbeta_part"][1]) + parts["dbeta_v"][0]
-    return t["dq"], t["dk"], parts["dv"], t["dg"], dbeta.view(1, T, H), dh0
+    t = _gate_tensors(saved, parts, gate_form)
+    _launch_gate(t, gate_form)
+    return _gate_result(t, parts["dv"], dh0)
 
 
-def replay_bytes_per_head(T: int, n_chunks: int) -> int:
+def replay_bytes_per_head(T: int, n_chunks: int, pipelined_bwd: bool = False) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
     replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
     token), its outputs (dv, dRk, dQg, dKg, dAqk, dAkk in bf16, dbeta_v: 1,284 B a token), a head
     group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
-    (128 KiB a chunk)."""
-    return T * (1280 + 1284 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
+    (128 KiB a chunk). pipelined_bwd (_replay_step_pipelined_bwd): nothing is released before
+    kda_bwd_gate's outputs (dq, dk bf16, dg fp32, dbeta partials: 1,032 B a token) exist too."""
+    return (T * (1280 + 1284 + 1538 + (1032 if pipelined_bwd else 0))
+            + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4))
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
@@ -430,7 +476,8 @@ def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
     key = (T, H, n_chunks, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
         return _LAST_GROUPS.get(key, [(0, H)])
-    groups = head_groups(H, replay_bytes_per_head(T, n_chunks), _available_bytes(device))
+    per_head = replay_bytes_per_head(T, n_chunks, pipelined_bwd=_pipeline_on() and _pipeline_bwd_on())
+    groups = head_groups(H, per_head, _available_bytes(device))
     _LAST_GROUPS[key] = groups
     return groups
 
@@ -471,6 +518,8 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage unless KDA_AOT_PIPELINE=0), then the chunk-parallel backward. Bitwise the same
     as the saved-context backward."""
+    if _pipeline_on() and _pipeline_bwd_on():
+        return _replay_step_pipelined_bwd(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     if _pipeline_on():
         saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     else:
@@ -481,10 +530,12 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, after=None):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
-    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same."""
+    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same.
+    after(saved, [dtape, d_initial_state], groups, events): launches more on the current stream
+    before the side streams are joined (_pipelined's `after`)."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
@@ -510,8 +561,46 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
                                out={"dtape": dtape, "dinitial_state": dh0[a:b]},
                                sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i),
                                pool=f"kda_bwd_tape/replay{i}")
-    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
-    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
+    saved = dict(prepared, initial_state=h0, **outs)
+    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks,
+               None if after is None else (lambda groups, events: after(saved, [dtape, dh0], groups, events)))
+    return saved, [dtape, dh0]
+
+
+def _pipeline_bwd_on() -> bool:
+    """KDA_AOT_PIPELINE_BWD=1: the replay's backward stages pipelined behind the walks too
+    (_replay_step_pipelined_bwd; off until measured on the GPU, bench/NOTES.md session 5)."""
+    return os.environ.get("KDA_AOT_PIPELINE_BWD", "0") == "1"
+
+
+def _replay_step_pipelined_bwd(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """The replay step with its chunk-parallel backward pipelined too: the chunk stage and walks as in
+    _replay_walks_pipelined, then kda_bwd_chunk and kda_bwd_gate a segment group at a time, each as
+    soon as that group's two walks are done (groups in their predicted order of completion,
+    fit.pipeline_finish_order), so that the backward of the groups whose walks end first runs beside
+    the walks still going. Same kernels on the same per-chunk data as the plain replay: bitwise the
+    same. Everything stays allocated to the end (no release between the stages): peak memory is
+    replay_bytes_per_head(..., pipelined_bwd=True)."""
+    bwd_form = _pick_form("bwd_chunk_form", None, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
+    gate_form = _pick_form("gate_form", None, "KDA_AOT_GATE_FORM", GATE_FORMS)
+    result = {}
+
+    def backward_stages(saved, walk, groups, events):
+        lengths = tuple(int(n) for n in saved["chain_lengths"])
+        first_chunk = (0, *itertools.accumulate(lengths))
+        parts = _bwd_chunk_tensors(saved, do, walk[0])
+        gate = _gate_tensors(saved, parts, gate_form)
+        main = torch.cuda.current_stream(q.device)
+        for i in fit.pipeline_finish_order(lengths, q.shape[2], max(1, _sm_count(q.device) // 2)):
+            for event in events[i]:
+                main.wait_event(event)
+            a, b = groups[i]
+            _launch_bwd_chunk(parts, bwd_form, first_chunk[a], first_chunk[b])
+            _launch_gate(gate, gate_form, first_chunk[a], first_chunk[b])
+        result["grads"] = _gate_result(gate, parts["dv"], walk[1])
+
+    _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, after=backward_stages)
+    return result["grads"]
 
 
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):

@@ -154,6 +154,8 @@ def test_replay_working_set_is_counted_per_head():
     # Q1 (249,856 tokens, 3,904 chunks): about 1.5 GB a head, so H = 64 needs two groups on an H200
     b = replay_bytes_per_head(249856, 3904)
     assert 1.45e9 < b < 1.65e9
+    # the pipelined backward keeps everything to the end: kda_bwd_gate's outputs on top
+    assert replay_bytes_per_head(249856, 3904, pipelined_bwd=True) - b == 249856 * 1032
 
 
 def test_chunk_kda_batched_and_packed_shapes_are_checked():
