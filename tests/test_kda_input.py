@@ -209,3 +209,54 @@ def test_backward_walk_that_writes_nothing_is_refused():
     q = good()[0]
     with pytest.raises(ValueError, match="nothing to compute"):
         chunk_kda_bwd_walk({"q": q}, torch.zeros_like(q), need_dtape=False, need_dinitial_state=False)
+
+
+def test_backward_stage_launches_name_every_tensor(monkeypatch):
+    """The chunk-parallel backward's launches on the CPU with the kernels replaced by a recorder:
+    kda_bwd_chunk and kda_bwd_gate get every tensor they read and write (the plain order: all
+    chunks), and a chunk-range launch (the pipelined replay's backward) narrows exactly the
+    chunk-indexed ones (chunks, gamma, tape, dtape, dgam_s) and nothing else."""
+    from kda_aot import kda
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, program):
+            self.program = program
+
+        def launch(self, desc, scale, stream):
+            calls.append((self.program, {name: d[3] for name, d in desc.items()}))
+
+    monkeypatch.setattr(registry, "library", lambda program, form="default": Recorder(program))
+    T, H = 200, 2
+    tables = pack_tables(torch.tensor([0, 70, 200]), T, "cpu")
+    C = tables.chunks.shape[0]
+    bf = dict(dtype=torch.bfloat16)
+    tok = lambda d=128: torch.zeros(1, T, H, d, **bf)  # noqa: E731
+    saved = {"q": tok(), "k": tok(), "v": tok(), "g": torch.zeros(1, T, H, 128), "beta": torch.zeros(1, T, H, **bf),
+             "chunks": tables.chunks, "seg_chunks": tables.seg_chunks, "chain_lengths": tables.chain_lengths,
+             "w": tok(), "u": tok(), "kg": tok(), "qg": tok(), "aqk": tok(64), "akk_inv": tok(64), "vnew": tok(),
+             "gamma": torch.zeros(C, H, 128), "tape": torch.zeros(C, H, 128, 128), "scale": 0.1}
+    dtape, dh0 = torch.zeros(C, H, 128, 128), torch.zeros(2, H, 128, 128)
+    for gate_form in ("split_staged", "full"):
+        calls.clear()
+        dq, dk, dv, dg, dbeta, d0 = kda.chunk_kda_bwd(dict(saved), tok(), gate_form=gate_form, walk=[dtape, dh0])
+        assert [p for p, _ in calls] == ["kda_bwd_chunk", "kda_bwd_gate"] and d0 is dh0
+        assert set(calls[0][1]) == {"chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew", "akk_inv",
+                                    "beta", "tape", "dout", "dtape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
+                                    "dbeta_v", "dgam_s"}
+        dbeta_out = "dbeta_part" if gate_form.startswith("split") else "dbeta"
+        assert set(calls[1][1]) == {"q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "dqg", "dkg",
+                                    "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg", dbeta_out}
+        assert dq.shape == dk.shape == dv.shape == (1, T, H, 128) and dbeta.shape == (1, T, H)
+    # a chunk range: the chunk-indexed tensors narrowed, the token-indexed ones whole
+    parts = kda._bwd_chunk_tensors(saved, tok(), dtape)
+    calls.clear()
+    kda._launch_bwd_chunk(parts, "prefetch", 1, 3)
+    kda._launch_gate(kda._gate_tensors(saved, parts, "split_staged"), "split_staged", 1, 3)
+    for _, shapes in calls:
+        for name, shape in shapes.items():
+            if name in kda._PER_CHUNK:
+                assert shape[0] == 2, name
+            elif name != "seg_chunks":
+                assert shape[0] in (1, 2) and (shape[1] == T or name == "dbeta_part"), name
