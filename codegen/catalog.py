@@ -74,14 +74,20 @@ RECORDS: tuple[Record, ...] = (
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
     # Measured against each other (bench/forms_ab.py chunk, 2026-11-30, Q1 H = 32, chunk stage alone):
     # default 16.04 ms, balanced 14.14; bitwise equal (GPU tests), so balanced ships.
-    Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True},
+    Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True, "lean": False},
            select="always (the shipped form): Akk/Aqk tiles spread so no warp builds more than 32 operand "
                   "exps per lane and k-step, the diagonal forward substitution with its column in registers",
            grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table"),
-    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False},
+    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False, "lean": False},
            select="tests and benchmarks only: the first schedule (warp w builds the Akk/Aqk tiles of its own "
                   "rows), kept to check `balanced` bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
+           shipped=False),
+    # Written in session 5, not measured yet: fewer instructions per Akk/Aqk operand element (bench/NOTES.md).
+    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True},
+           select="tests and benchmarks only until measured: balanced with Gamma in log2 units and the "
+                  "Akk/Aqk operands as packed bf16 products (another rounding: fp64-checked, not bitwise)",
+           grid="(n_chunks, H) CTAs of 256 threads; as balanced",
            shipped=False),
     # Walk forms (issue 5), measured on the H200 (bench/measure_rho.py, 2026-11-30, 256-chunk chains):
     # quarter over full 2.0-2.5x with at most SM/4 chains (rho_quarter_alone 0.40 fwd, 0.47 bwd): it ships too.

@@ -111,6 +111,29 @@ def test_bwd_chunk_forms_are_bitwise_equal(pack, form):
             assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
+def test_lean_chunk_form_gradients_match_reference(monkeypatch, pack, gate):
+    """The gradients through kda_fwd_chunk/lean (Gamma in log2 units, Akk/Aqk operands as packed
+    bf16 products): another rounding of the forward's intermediates, held to the same fp64 bounds."""
+    require_form("kda_fwd_chunk", "lean")
+    monkeypatch.setenv("KDA_AOT_CHUNK_FORM", "lean")
+    _gradients_against_reference(pack, gate, True)
+
+
+def test_lean_chunk_form_keeps_saved_and_replay_bitwise(monkeypatch):
+    """Both modes run the same chunk form: saved and replay gradients bitwise equal under lean too."""
+    require_form("kda_fwd_chunk", "lean")
+    monkeypatch.setenv("KDA_AOT_CHUNK_FORM", "lean")
+    q, k, v, g, beta, cu, h0 = make(PACKS["long"], 3, "rand", rng("lean-modes"), True)
+    dout = torch.randn(q.shape, device="cuda", generator=rng("lean-modes-do")).to(torch.bfloat16)
+    dht = torch.randn(len(PACKS["long"]), 3, 128, 128, device="cuda", generator=rng("lean-modes-dht"))
+    saved = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "saved")
+    replay = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
+    for a, b in zip(saved, replay):
+        assert torch.equal(a, b)
+
+
 def _gradients_against_reference(pack, gate, dfinal, gate_form=None):
     lens, H = PACKS[pack], 2
     q, k, v, g, beta, cu, h0 = make(lens, H, gate, rng(("grads", pack, gate, dfinal)), True)
