@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on the KDA kernels of one training step (one launch each, pack Q1 with 4 heads):
-# speed of light, occupancy, warp stall reasons, memory, instruction counts. Leaves the clocks alone.
+# speed of light, occupancy, warp stall reasons (every body item: --print-details all), memory,
+# instruction counts, the source lines where warps stall most (SourceCounters; -lineinfo builds).
+# Leaves the clocks alone.
 # Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's knob: KDA_AOT_CHUNK_FORM,
 # KDA_AOT_BWD_CHUNK_FORM, KDA_AOT_GATE_FORM, KDA_AOT_WALK_FORM); default: every forward and backward
 # program, the test-only forms beside the shipped ones. Reports: $NCU_DIR (default $OUT).
@@ -9,7 +11,7 @@ if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything alre
   KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 fi
-RUNS="kda_fwd_chunk:default kda_fwd_chunk:balanced kda_fwd_tape:auto kda_bwd_tape:auto kda_bwd_chunk:default
+RUNS="kda_fwd_chunk:default kda_fwd_chunk:balanced kda_fwd_chunk:lean kda_fwd_tape:auto kda_bwd_tape:auto kda_bwd_chunk:default
       kda_bwd_chunk:prefetch kda_bwd_chunk:wide kda_bwd_gate:split_staged kda_bwd_gate:split_horner"
 for run in ${NCU_RUNS:-$RUNS}; do
   IFS=: read -r k form <<< "$run"
@@ -21,7 +23,8 @@ for run in ${NCU_RUNS:-$RUNS}; do
   env "$knob=$form" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
     ncu --clock-control none -k regex:"$k\\b" -c 1 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-      --section LaunchStats --section InstructionStats python3 bench/profile_kda.py Q1 4 > "$report" 2>&1
+      --section LaunchStats --section InstructionStats --section SourceCounters --print-details all \
+      python3 bench/profile_kda.py Q1 4 > "$report" 2>&1
   echo "== $k ($form)"
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit (Reg|Shared)|Issued Ipc|DRAM Throughput|Executed Instructions  " "$report" | head -16
 done
