@@ -20,11 +20,13 @@ for run in ${NCU_RUNS:-$RUNS}; do
     kda_bwd_gate) knob=KDA_AOT_GATE_FORM ;; *) knob=KDA_AOT_WALK_FORM ;;
   esac
   report="${NCU_DIR:-$OUT}/ncu_${k}_${form}.txt"
-  env "$knob=$form" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
-    ncu --clock-control none -k regex:"$k\\b" -c 1 \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-      --section LaunchStats --section InstructionStats --section SourceCounters --print-details all \
-      python3 bench/profile_kda.py Q1 4 > "$report" 2>&1
+  for extra in "--section SourceCounters --print-details all" ""; do  # the first needs a recent ncu
+    env "$knob=$form" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
+      ncu --clock-control none -k regex:"$k\\b" -c 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 > "$report" 2>&1
+    grep -q "Duration" "$report" && break
+  done
   echo "== $k ($form)"
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit (Reg|Shared)|Issued Ipc|DRAM Throughput|Executed Instructions  " "$report" | head -16
 done
