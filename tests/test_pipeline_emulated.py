@@ -1,0 +1,200 @@
+"""The launch bookkeeping of the replay orders, emulated on the CPU: every kernel is replaced by a
+small CPU stand-in with the same data flow (chunk-parallel programs compute per chunk row of the
+table they are given, the walks carry a state along each segment they are given, forwards and
+backwards), CUDA streams and events by no-ops (the stand-ins run in launch order, so this checks
+which chunk ranges, segments and tensors each launch gets, not the GPU's ordering: the GPU tests
+check that, bitwise). Every order must then give the same bits: the plain replay, the pipelined
+replay, the pipelined replay with pipelined backward stages (KDA_AOT_PIPELINE_BWD), and the saved
+mode; with mixed walk plans too. Outputs start as NaN, so a chunk no launch covers shows."""
+import contextlib
+
+import pytest
+import torch
+
+from conftest import SEED
+from kda_aot import fit, kda
+
+
+def _rows(t):
+    return [(int(a), int(b)) for a, b in t["chunks"].tolist()]
+
+
+def _fwd_chunk(t):
+    for c, (t0, t1) in enumerate(_rows(t)):
+        sl = slice(t0, t1)
+        k, v, q = (t[n][0, sl].float() for n in ("k", "v", "q"))
+        t["w"][0, sl] = (k * 2 + t["beta"][0, sl, :, None].float()).to(t["w"].dtype)
+        t["u"][0, sl] = (v + 1).to(t["u"].dtype)
+        t["qg"][0, sl] = (q * 3).to(t["qg"].dtype)
+        t["kg"][0, sl] = (k - 1).to(t["kg"].dtype)
+        t["aqk"][0, sl] = float(t1 - t0)
+        if t.get("akk_inv") is not None:
+            t["akk_inv"][0, sl] = float(t0 % 7)
+        t["gamma"][c] = t["g"][0, sl].sum(0)
+
+
+def _segments(t):
+    s = t["seg_chunks"].tolist()
+    return list(zip(s, s[1:]))
+
+
+def _fwd_walk(t):
+    rows = _rows(t)
+    for s, (a, b) in enumerate(_segments(t)):
+        S = t["initial_state"][s].clone() if t.get("initial_state") is not None else torch.zeros(t["gamma"].shape[1:] + (128,))
+        for c in range(a, b):
+            t0, t1 = rows[c]
+            if t.get("tape") is not None:
+                t["tape"][c] = S
+            if t.get("vnew") is not None:
+                t["vnew"][0, t0:t1] = (t["u"][0, t0:t1].float() - S.mean(-1)).to(t["vnew"].dtype)
+            if t.get("o") is not None:
+                t["o"][0, t0:t1] = (t["qg"][0, t0:t1].float() + S.mean(-2)).to(t["o"].dtype)
+            S = 0.9 * S + 1e-3 * t["gamma"][c][..., None] + 1e-3 * t["w"][0, t0:t1].float().sum(0)[..., None]
+        if t.get("final_state") is not None:
+            t["final_state"][s] = S
+
+
+def _bwd_walk(t):
+    rows = _rows(t)
+    for s, (a, b) in enumerate(_segments(t)):
+        dS = t["dfinal_state"][s].clone() if t.get("dfinal_state") is not None else torch.zeros(t["gamma"].shape[1:] + (128,))
+        for c in reversed(range(a, b)):
+            t0, t1 = rows[c]
+            if t.get("dtape") is not None:
+                t["dtape"][c] = dS
+            dS = 0.8 * dS + 1e-3 * t["dout"][0, t0:t1].float().sum(0)[..., None] + 1e-3 * t["qg"][0, t0:t1].float().sum(0)[:, None, :]
+        if t.get("dinitial_state") is not None:
+            t["dinitial_state"][s] = dS
+
+
+def _bwd_chunk(t):
+    for c, (t0, t1) in enumerate(_rows(t)):
+        sl = slice(t0, t1)
+        base = t["dtape"][c].mean(-1) + t["tape"][c].mean(-1)  # [H, 128]
+        t["dv"][0, sl] = (t["dout"][0, sl].float() + base + t["vnew"][0, sl].float()).to(t["dv"].dtype)
+        for name in ("drk", "dqg", "dkg"):
+            t[name][0, sl] = (t["kg"][0, sl].float() * 0.5 + base).to(t[name].dtype)
+        t["daqk"][0, sl] = (t["aqk"][0, sl].float() + 1).to(t["daqk"].dtype)
+        t["dakk"][0, sl] = (t["akk_inv"][0, sl].float() - 1).to(t["dakk"].dtype)
+        t["dbeta_v"][0, sl] = t["u"][0, sl].float().mean(-1)
+        t["dgam_s"][c] = base + t["gamma"][c]
+
+
+def _gate(t):
+    for c, (t0, t1) in enumerate(_rows(t)):
+        sl = slice(t0, t1)
+        t["dq"][0, sl] = (t["dqg"][0, sl].float() + t["dgam_s"][c]).to(t["dq"].dtype)
+        t["dk"][0, sl] = (t["dkg"][0, sl].float() + t["drk"][0, sl].float()).to(t["dk"].dtype)
+        t["dg"][0, sl] = t["g"][0, sl] + t["dgam_s"][c] + t["daqk"][0, sl].float().mean(-1, keepdim=True)
+        if "dbeta_part" in t:
+            t["dbeta_part"][0, sl] = t["dakk"][0, sl].float().mean(-1)
+            t["dbeta_part"][1, sl] = t["beta"][0, sl].float()
+        else:
+            t["dbeta"][0, sl] = t["dakk"][0, sl].float().mean(-1) + t["beta"][0, sl].float() + t["dbeta_v"][0, sl]
+
+
+_PROGRAMS = {"kda_fwd_chunk": _fwd_chunk, "kda_fwd_tape": _fwd_walk, "kda_bwd_tape": _bwd_walk,
+             "kda_bwd_chunk": _bwd_chunk, "kda_bwd_gate": _gate}
+
+
+class _Library:
+    def __init__(self, program):
+        self.program = program
+
+    def launch(self, desc, scale, stream):
+        # what the bindings check: chunk-indexed tensors one row per chunk of the table, segment-
+        # indexed ones one row per segment
+        C, N = desc["chunks"].shape[0], desc["seg_chunks"].shape[0] - 1
+        for name in kda._PER_CHUNK:
+            assert desc.get(name) is None or desc[name].shape[0] == C, (self.program, name)
+        for name in kda._PER_SEGMENT:
+            assert desc.get(name) is None or desc[name].shape[0] == N, (self.program, name)
+        _PROGRAMS[self.program]({name: x for name, x in desc.items()})
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return object()
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """kda's kernels, streams and SM count replaced for the CPU (descriptors are the tensors)."""
+    monkeypatch.setattr(kda, "describe", lambda x, name: x)
+    monkeypatch.setattr(kda, "stream_of", lambda x: 0)
+    monkeypatch.setattr(kda.registry, "library", lambda program, form="default": _Library(program))
+    monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kda, "_side_streams", lambda device, n, pool: [_Stream() for _ in range(n)])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    fit.pipelined_walk_sms.cache_clear()
+    fit.pipeline_finish_order.cache_clear()
+
+
+def _inputs(lens, H, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q, k, v = (torch.randn(1, T, H, 128, generator=gen).to(torch.bfloat16) for _ in range(3))
+    g = -torch.rand(1, T, H, 128, generator=gen)
+    beta = torch.rand(1, T, H, generator=gen).to(torch.bfloat16)
+    h0 = torch.randn(len(lens), H, 128, 128, generator=gen)
+    do = torch.randn(1, T, H, 128, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(len(lens), H, 128, 128, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, g, beta, cu, h0, do, dht
+
+
+def _nan_empty(monkeypatch):
+    """torch.empty / empty_like give NaN-filled tensors: a row no launch writes stays NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: nan(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan(empty_like(*a, **kw)))
+
+
+@pytest.mark.parametrize("lens", [[700], [300, 129], [1, 63, 64, 65, 130, 2], [40] * 30 + [900, 5]],
+                         ids=["1", "2", "6", "32"])
+@pytest.mark.parametrize("gate_form", ["split_staged", "full"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_every_replay_order_gives_the_same_bits(emulated, monkeypatch, lens, gate_form, mixed):
+    if mixed:  # a mixed walk plan on every walk launch of more than one segment (side streams, narrowed rows)
+        monkeypatch.setattr(fit, "plan_walk", lambda program, lengths, *a, **kw: (
+            (("split", 0, 1), ("full", 1, len(lengths))) if len(lengths) > 1 else (("full", 0, 1),)))
+    _nan_empty(monkeypatch)
+    monkeypatch.setenv("KDA_AOT_GATE_FORM", gate_form)
+    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 2, SEED + len(lens))
+    got = {}
+    for name, pipeline, bwd in (("plain", "0", "0"), ("pipelined", "1", "0"), ("pipelined-bwd", "1", "1")):
+        monkeypatch.setenv("KDA_AOT_PIPELINE", pipeline)
+        monkeypatch.setenv("KDA_AOT_PIPELINE_BWD", bwd)
+        got[name] = kda._replay_step(q, k, v, g, beta, h0, cu, 0.1, do, dht)
+    _, _, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, scale=0.1, initial_state=h0, save_tape=True,
+                                    pipeline=False)
+    got["saved"] = kda.chunk_kda_bwd(saved, do, dht, release=True)
+    for name, grads in got.items():
+        for label, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got["plain"], grads):
+            assert not torch.isnan(y).any(), f"{name} {label}: rows no launch wrote"
+            assert torch.equal(x, y), f"{name} {label}"
+
+
+def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch):
+    _nan_empty(monkeypatch)
+    q, k, v, g, beta, cu, h0, _, _ = _inputs([40] * 30 + [900, 5], 2, SEED + 3)
+    a = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                          save_tape=True, pipeline=False)
+    b = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                          save_tape=True, pipeline=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.isnan(b[0]).any()
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(a[2][name], b[2][name]), name
