@@ -51,7 +51,7 @@ stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
   timeout $(cap 45) python3 bench/measure_rho.py --table --out "$W/fit_params.json" > "$W/rho.log" 2>&1
   stamp "B: rho rc $?"
   timeout $(cap 45) python3 bench/profile_module.py Q1 32 > "$W/profile_module.log" 2>&1; stamp "B: module profile"
-  timeout $(cap 90) python3 bench/forms_ab.py all Q1 32 > "$W/forms_ab.log" 2>&1; stamp "B: forms A/B rc $?"
+  timeout $(cap 150) python3 bench/forms_ab.py all Q1 32 > "$W/forms_ab.log" 2>&1; stamp "B: forms A/B rc $?"
   tail -2 "$W/forms_ab.log"
   NCU_S=27 NCU_NO_BUILD=1 NCU_DIR="$W" timeout $(cap 260) bash bench/ncu_kda.sh > "$W/ncu.log" 2>&1
   stamp "B: ncu rc $?"
