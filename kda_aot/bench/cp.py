@@ -5,7 +5,9 @@ recurrence, communication included); B3 = forward + checkpoint replay + backward
 DESIGN.md §5, H = 32, layouts contiguous / zigzag / doc_zigzag. Latency = median over steady
 iterations of the slowest rank (each iteration's time is all-reduced with MAX), arms interleaved.
 flash-linear-attention's CP (build_cp_context, contiguous and zigzag) runs side by side for its
-KDA part (chunk_kda with cp_context; its conv is not part of that arm).
+KDA part (chunk_kda with cp_context; its conv is not part of that arm). With one process the
+contiguous layout also times the module without a CP plan (arm kda_aot/no_plan): the single-device
+baseline of the scaling bar (CP2 B3 <= 0.6 x it).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
 BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops
 BATCHED_ARM = "kda_aot/batched"
+NO_PLAN_ARM = "kda_aot/no_plan"  # one GPU, no CP plan (cu_seqlens): CP1's rows carry it as the single-device baseline
 
 
 def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> float:
@@ -105,6 +108,15 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             for wf in walk_forms:  # issue 5: the fit rule (auto) against forced forms, interleaved
                 name = "kda_aot" if wf == "auto" else f"kda_aot@{wf}"
                 arms[(name, "B1")], arms[(name, "B3")] = with_walk_form(wf, b1), with_walk_form(wf, b3)
+            if world == 1 and layout == "contiguous":  # the scaling bar's baseline: the module without a CP plan
+                def single_b1():
+                    with torch.no_grad():
+                        module(q, k, v, gl, bl, cu_seqlens=cu)
+
+                def single_b3():
+                    o, _ = module(*leaves, gl, bl, cu_seqlens=cu)
+                    o.backward(do)
+                arms[(NO_PLAN_ARM, "B1")], arms[(NO_PLAN_ARM, "B3")] = single_b1, single_b3
             if batched:  # the batched summaries (all fragments at once, in pieces) against one per fragment
                 arms[(BATCHED_ARM, "B1")], arms[(BATCHED_ARM, "B3")] = (with_env(BATCHED_KNOB, "1", b1),
                                                                         with_env(BATCHED_KNOB, "1", b3))
