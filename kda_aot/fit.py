@@ -184,9 +184,13 @@ def plan_pipeline(chain_lengths) -> tuple:
 # The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/balanced took
 # 13.8 ms for Q1's 3,907 chunks x 32 heads (session 5 profile, bench/NOTES.md).
 CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.110
-# The chunk stage runs about this much slower beside a walk spread over every SM (a walk CTA on an SM
-# leaves shared memory for one chunk-stage CTA instead of two).
-CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = 2.0
+# The chunk stage runs about this much slower beside walks spread over every SM (a walk CTA on an SM
+# leaves shared memory for one chunk-stage CTA instead of two), by the number of walk programs that
+# run at once (1: the forward; 2: the replay's forward and backward walks). Session 5's A/B (Q1, Q2,
+# Q6) fits {1: 1.7, 2: 3.4} better than the shipped 2.0 for both (Q2: forward -1 %, saved -4.6 %,
+# replay -1.1 %), but that moves Q3 and Q4 too, unmeasured: bench/forms_ab.py pipeline's arm
+# "critical-tuned" measures it next.
+CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 2.0, 2: 2.0}
 # A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
 PIPELINE_CRITICAL_PATH = True
 
@@ -200,12 +204,14 @@ def walk_step_us(program: str) -> float | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int) -> int:
+def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int,
+                       walks_beside: int = 1) -> int:
     """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
     stays the critical path even planned on every SM with the rest of the chunk stage slowed beside
-    it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK): then it gets them all. Measured (forms_ab.py pipeline,
+    it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside]: 2 in the replay, whose two walks run at once):
+    then it gets them all. Measured (forms_ab.py pipeline,
     session 5): Q6's long document (3,125 chunks, 20 % of the chunk stage after it) forward 28.25 ->
     23.29 ms on every SM; Q1's groups all on every SM 20.30 -> 23.44 ms (its walks start with 60,
     28 and 12 % of the stage still to run: this rule keeps them restricted). The last group's walk
@@ -221,7 +227,7 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
     done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     rest_us = (sum(chain_lengths) - done) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
-    return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK * rest_us <= step * fast else restricted
+    return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside] * rest_us <= step * fast else restricted
 
 
 
@@ -243,7 +249,8 @@ def pipeline_finish_order(chain_lengths: tuple, heads: int, sms: int) -> tuple:
         done += sum(chain_lengths[a:b])
         start = done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
         walks = [walk_step_us(p) * min(predicted(chain_lengths[a:b], heads,
-                                                 pipelined_walk_sms(p, chain_lengths, heads, sms, i), *rhos[p]).values())
+                                                 pipelined_walk_sms(p, chain_lengths, heads, sms, i, 2),
+                                                 *rhos[p]).values())
                  for p in programs]
         finish.append(start + max(walks))
     return tuple(sorted(range(len(groups)), key=lambda i: (finish[i], i)))

@@ -554,12 +554,12 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, af
         with torch.cuda.stream(streams[0]):
             chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
                            out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
-                           sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i),
+                           sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
                            pool=f"kda_fwd_tape/replay{i}")
         with torch.cuda.stream(streams[1]):
             chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
                                out={"dtape": dtape, "dinitial_state": dh0[a:b]},
-                               sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i),
+                               sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
                                pool=f"kda_bwd_tape/replay{i}")
     saved = dict(prepared, initial_state=h0, **outs)
     _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks,

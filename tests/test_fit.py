@@ -198,3 +198,21 @@ def test_summary_pieces():
     for n, p in ((1953, 4), (7, 3), (64, 1), (65, 2)):
         lengths = fit.piece_lengths(n, p)
         assert sum(lengths) == n and len(lengths) == p and max(lengths) - min(lengths) <= 1
+
+
+def test_pipeline_slowdown_by_walks_beside(monkeypatch):
+    """The replay's walks are planned with the slowdown for two walks at once. The fitted variant
+    (forms_ab's critical-tuned arm) keeps Q1 and Q6 as measured and moves Q2 to the arms that won it:
+    the forward's long walk on every SM, the replay's restricted."""
+    q1, q2, q6 = (1585, 641, 1216, 465), (2344, 1193), (3125, 779)
+    monkeypatch.setattr(fit, "CHUNK_STAGE_SLOWDOWN_BESIDE_WALK", {1: 1.7, 2: 3.4})
+    fit.pipelined_walk_sms.cache_clear()
+    try:
+        assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 132]
+        assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 66, i, 2) for i in range(4)] == [32, 32, 32, 66]
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q2, 32, 132, 0) == 132
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q2, 32, 66, 0, 2) == 32
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 0, 2) == 66
+    finally:
+        fit.pipelined_walk_sms.cache_clear()
