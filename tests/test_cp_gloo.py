@@ -367,7 +367,8 @@ def check_error(res, W, variant):
 
 def test_sensitivity():
     """The packs exercise the state passing: dropping the entering states (every fragment
-    starting from zero) moves the outputs far beyond REL_BOUND."""
+    starting from zero) moves the outputs far beyond REL_BOUND (100x: over fresh inputs the change
+    ranged 0.09-0.95 relative, 10 seeds plus one CI run at 0.0945 that a 1000x margin failed)."""
     for W, layout, pack in [(2, "contiguous", "long"), (4, "doc_zigzag", "long"),
                             (3, "zigzag", "mixed")]:
         plan = plans(W, layout, pack)
@@ -377,7 +378,7 @@ def test_sensitivity():
                                          cu_seqlens=cuts, dtype=torch.float32)
         o, _ = reference.kda_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                      cu_seqlens=cu_of(PACKS[pack]), dtype=torch.float32)
-        assert rel_err(o_cut, o) > 1000 * REL_BOUND, (W, layout, pack, rel_err(o_cut, o))
+        assert rel_err(o_cut, o) > 100 * REL_BOUND, (W, layout, pack, rel_err(o_cut, o))
 
 
 def test_world_size_one_in_process(tmp_path):
