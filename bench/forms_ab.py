@@ -1,12 +1,12 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
-  chunk: kda_fwd_chunk forms (CHUNK_FORMS: default, balanced) timing chunk_kda_prepare;
+  chunk: kda_fwd_chunk forms (CHUNK_FORMS: balanced (shipped), default, lean) timing chunk_kda_prepare;
   bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch, wide) timing chunk_kda_bwd_chunk;
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
          (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
-         pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
+         pipelined (a segment group's walks beside the later groups' chunk stage; three rules for the
          walks' SMs; the replay also with its backward stages behind the walks) and in the plain order.
     python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
@@ -79,27 +79,28 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
 
 
 def pipeline_ab(q, k, v, g, beta, cu, pack, H):
-    """Three arms: pipelined under the critical-path rule (fit.pipelined_walk_sms, shipped), pipelined
-    with every walk but the last restricted to its chains' SMs (session 4's rule), the plain order."""
+    """The pipelined order under the shipped rule (fit.pipelined_walk_sms: critical), with every walk
+    but the last restricted to its chains' SMs (session 4's rule: restricted), with the slowdowns
+    fitted to session 5's A/B (critical-tuned), with the replay's backward stages pipelined too
+    (critical+bwd, replay only), and the plain order."""
     from kda_aot import fit
     from kda_aot.kda import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
-    arms = {"critical": ("1", True), "restricted": ("1", False), "plain": ("0", True),
-            "critical-tuned": ("1", True),  # the slowdowns fitted to session 5's A/B: {1: 1.7, 2: 3.4}
-            "critical+bwd": ("1", True)}  # the replay's backward stages pipelined too (KDA_AOT_PIPELINE_BWD)
-    shipped_slowdown = dict(fit.CHUNK_STAGE_SLOWDOWN_BESIDE_WALK)
+    shipped = dict(pipeline="1", bwd="0", critical=True, slowdown=dict(fit.CHUNK_STAGE_SLOWDOWN_BESIDE_WALK))
+    arms = {"critical": {}, "restricted": dict(critical=False), "critical-tuned": dict(slowdown={1: 1.7, 2: 3.4}),
+            "critical+bwd": dict(bwd="1"), "plain": dict(pipeline="0")}
+
+    def configure(setting):
+        os.environ["KDA_AOT_PIPELINE"], os.environ["KDA_AOT_PIPELINE_BWD"] = setting["pipeline"], setting["bwd"]
+        fit.PIPELINE_CRITICAL_PATH = setting["critical"]
+        fit.CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = setting["slowdown"]
+        fit.pipelined_walk_sms.cache_clear()
+        fit.pipeline_finish_order.cache_clear()
 
     def arm(name, mode):
-        flag, critical = arms[name]
-
         def run():
-            os.environ["KDA_AOT_PIPELINE"] = flag
-            os.environ["KDA_AOT_PIPELINE_BWD"] = "1" if name.endswith("+bwd") else "0"
-            fit.PIPELINE_CRITICAL_PATH = critical
-            fit.CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 1.7, 2: 3.4} if name == "critical-tuned" else shipped_slowdown
-            fit.pipelined_walk_sms.cache_clear()
-            fit.pipeline_finish_order.cache_clear()
+            configure(dict(shipped, **arms[name]))
             try:
                 if mode == "forward":
                     chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
@@ -108,14 +109,10 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
                     x.grad = None
                 chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
             finally:
-                del os.environ["KDA_AOT_PIPELINE"], os.environ["KDA_AOT_PIPELINE_BWD"]
-                fit.PIPELINE_CRITICAL_PATH = True
-                fit.CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = shipped_slowdown
-                fit.pipelined_walk_sms.cache_clear()
-                fit.pipeline_finish_order.cache_clear()
+                configure(shipped)
         return run
     for mode in ("forward", "saved", "replay"):
-        names = [name for name in arms if mode == "replay" or not name.endswith("+bwd")]
+        names = [name for name in arms if mode == "replay" or name != "critical+bwd"]
         ms = interleaved({name: arm(name, mode) for name in names}, iters=9 if mode == "forward" else 7, warmup=1)
         print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))

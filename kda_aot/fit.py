@@ -77,12 +77,16 @@ def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_a
 
 
 @functools.lru_cache(maxsize=None)
+def _params(path: Path) -> dict:
+    """The programs' entries of a fit_params.json (empty until measured), read once per path."""
+    return json.loads(path.read_text())["programs"] if path.is_file() else {}
+
+
+@functools.lru_cache(maxsize=None)
 def measured_rho() -> dict:
     """{program: (rho, rho_alone, rho_quarter_alone or None)} from fit_params.json (empty until
     measured; rho_alone = rho when a measurement predates it; quarter only where it ships)."""
-    if not PARAMS_FILE.is_file():
-        return {}
-    progs = json.loads(PARAMS_FILE.read_text())["programs"]
+    progs = _params(PARAMS_FILE)
     return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"])),
                 float(v["rho_quarter_alone"]) if p in QUARTER_SHIPPED and "rho_quarter_alone" in v else None)
             for p, v in progs.items()}
@@ -197,9 +201,7 @@ PIPELINE_CRITICAL_PATH = True
 
 def walk_step_us(program: str) -> float | None:
     """A full-form step of the walk alone on its SM, in microseconds (fit_params.json), or None."""
-    if not PARAMS_FILE.is_file():
-        return None
-    entry = json.loads(PARAMS_FILE.read_text())["programs"].get(program)
+    entry = _params(PARAMS_FILE).get(program)
     return None if entry is None else 1000.0 * float(entry["full_alone_ms"]) / float(entry["chunks_per_chain"])
 
 
@@ -211,11 +213,11 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
     stays the critical path even planned on every SM with the rest of the chunk stage slowed beside
     it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside]: 2 in the replay, whose two walks run at once):
-    then it gets them all. Measured (forms_ab.py pipeline,
-    session 5): Q6's long document (3,125 chunks, 20 % of the chunk stage after it) forward 28.25 ->
-    23.29 ms on every SM; Q1's groups all on every SM 20.30 -> 23.44 ms (its walks start with 60,
-    28 and 12 % of the stage still to run: this rule keeps them restricted). The last group's walk
-    runs after the chunk stage and gets every SM."""
+    then it gets them all. Measured (forms_ab.py pipeline, session 5): Q6's long document (3,125
+    chunks, 20 % of the chunk stage after it) forward 28.25 -> 23.29 ms on every SM; Q1's groups all
+    on every SM 20.30 -> 23.44 ms (its walks start with 60, 28 and 12 % of the stage still to run:
+    this rule keeps them restricted). The last group's walk runs after the chunk stage and gets
+    every SM."""
     groups = plan_pipeline(chain_lengths)
     a, b = groups[group]
     if group == len(groups) - 1:
@@ -228,7 +230,6 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     rest_us = (sum(chain_lengths) - done) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
     return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside] * rest_us <= step * fast else restricted
-
 
 
 @functools.lru_cache(maxsize=1024)
@@ -254,6 +255,7 @@ def pipeline_finish_order(chain_lengths: tuple, heads: int, sms: int) -> tuple:
                  for p in programs]
         finish.append(start + max(walks))
     return tuple(sorted(range(len(groups)), key=lambda i: (finish[i], i)))
+
 
 # Pieces of the CP summary walks (kda_aot.cp, batched summaries): a fragment of n chunks is walked as
 # up to MAX_SUMMARY_PIECES chunk-aligned pieces, each from zero and with its own transfer, composed

@@ -240,10 +240,11 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. after(groups, events), when given, then
-    launches more on the current stream, events[i] marking the end of group i's walks on each of its
-    side streams. The side streams are joined back into the current stream, also when a launch
-    raises: queued work may still read the caller's tensors."""
+    walks run beside the chunk stage of the groups after it. after(chunk_ranges, events), when given,
+    then launches more on the current stream: chunk_ranges[i] = group i's chunks (first, end),
+    events[i] the end of its walks on each of its side streams. The side streams are joined back
+    into the current stream, also when a launch raises: queued work may still read the caller's
+    tensors."""
     q = prepared["q"]
     groups = fit.plan_pipeline(prepared["chain_lengths"])
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
@@ -256,9 +257,10 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
             for pool in streams:
                 pool[i].wait_stream(main)
             launch_group(i, a, b, [pool[i] for pool in streams])
-            events.append([pool[i].record_event() for pool in streams])
+            if after is not None:
+                events.append([pool[i].record_event() for pool in streams])
         if after is not None:
-            after(groups, events)
+            after([(first_chunk[a], first_chunk[b]) for a, b in groups], events)
     finally:
         for pool in streams:
             for side in pool:
@@ -276,7 +278,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     full = _walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
                          output_final_state=output_final_state)
     sms = _sm_count(q.device)
-    lengths = tuple(int(n) for n in prepared["chain_lengths"])
+    lengths = prepared["chain_lengths"]
 
     def walk(i, a, b, streams):
         part = {name: x for name, x in full.items() if x is not None}
@@ -322,12 +324,11 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END, or None,
     d_initial_state [N, H, 128, 128] fp32 or None). need_dtape=False: the offset walk (context
-    parallelism's entering-state gradients: no tape written). `out` may hold preallocated tensors.
+    parallelism's entering-state gradients: no tape written; the binding refuses a call that asks
+    for neither). `out` may hold preallocated tensors.
     tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
     q = saved["q"]
-    if not (need_dtape or need_dinitial_state):
-        raise ValueError("chunk_kda_bwd_walk: need_dtape and need_dinitial_state are both False: nothing to compute")
     _check_dout(dout, q)
     N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
     scale = saved["scale"]
@@ -534,8 +535,8 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, af
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
     the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same.
-    after(saved, [dtape, d_initial_state], groups, events): launches more on the current stream
-    before the side streams are joined (_pipelined's `after`)."""
+    after(saved, [dtape, d_initial_state], chunk_ranges, events): launches more on the current
+    stream before the side streams are joined (_pipelined's `after`)."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
@@ -546,8 +547,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, af
     dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     half = max(1, _sm_count(q.device) // 2)
-
-    lengths = tuple(int(n) for n in prepared["chain_lengths"])
+    lengths = prepared["chain_lengths"]
 
     def walks(i, a, b, streams):
         view = segments_view(prepared, a, b)
@@ -563,7 +563,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, af
                                pool=f"kda_bwd_tape/replay{i}")
     saved = dict(prepared, initial_state=h0, **outs)
     _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks,
-               None if after is None else (lambda groups, events: after(saved, [dtape, dh0], groups, events)))
+               None if after is None else (lambda ranges, events: after(saved, [dtape, dh0], ranges, events)))
     return saved, [dtape, dh0]
 
 
@@ -585,18 +585,15 @@ def _replay_step_pipelined_bwd(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     gate_form = _pick_form("gate_form", None, "KDA_AOT_GATE_FORM", GATE_FORMS)
     result = {}
 
-    def backward_stages(saved, walk, groups, events):
-        lengths = tuple(int(n) for n in saved["chain_lengths"])
-        first_chunk = (0, *itertools.accumulate(lengths))
+    def backward_stages(saved, walk, chunk_ranges, events):
         parts = _bwd_chunk_tensors(saved, do, walk[0])
         gate = _gate_tensors(saved, parts, gate_form)
         main = torch.cuda.current_stream(q.device)
-        for i in fit.pipeline_finish_order(lengths, q.shape[2], max(1, _sm_count(q.device) // 2)):
+        for i in fit.pipeline_finish_order(saved["chain_lengths"], q.shape[2], max(1, _sm_count(q.device) // 2)):
             for event in events[i]:
                 main.wait_event(event)
-            a, b = groups[i]
-            _launch_bwd_chunk(parts, bwd_form, first_chunk[a], first_chunk[b])
-            _launch_gate(gate, gate_form, first_chunk[a], first_chunk[b])
+            _launch_bwd_chunk(parts, bwd_form, *chunk_ranges[i])
+            _launch_gate(gate, gate_form, *chunk_ranges[i])
         result["grads"] = _gate_result(gate, parts["dv"], walk[1])
 
     _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, after=backward_stages)

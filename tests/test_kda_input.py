@@ -203,14 +203,6 @@ def test_backward_forms_are_checked_before_any_kernel(monkeypatch):
         chunk_kda_bwd({}, None)
 
 
-def test_backward_walk_that_writes_nothing_is_refused():
-    """need_dtape=False (the offset walk) with need_dinitial_state=False would compute nothing."""
-    from kda_aot.kda import chunk_kda_bwd_walk
-    q = good()[0]
-    with pytest.raises(ValueError, match="nothing to compute"):
-        chunk_kda_bwd_walk({"q": q}, torch.zeros_like(q), need_dtape=False, need_dinitial_state=False)
-
-
 def test_backward_stage_launches_name_every_tensor(monkeypatch):
     """The chunk-parallel backward's launches on the CPU with the kernels replaced by a recorder:
     kda_bwd_chunk and kda_bwd_gate get every tensor they read and write (the plain order: all

@@ -41,9 +41,8 @@ returns), replay = the forward walk (no output) beside the backward offset walk 
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import itertools
+from typing import Optional, Sequence
 
 import torch
 
@@ -141,7 +140,7 @@ class CudaBackend:
         from .. import fit
         from ..kda import _sm_count, chunk_kda_transfer, chunk_kda_walk
         from .summaries import compose_pieces
-        lengths = [int(n) for n in prepared["chain_lengths"]]
+        lengths = prepared["chain_lengths"]
         H, device = prepared["q"].shape[2], prepared["q"].device
         planned = dict(zip(plan_segments, fit.summary_pieces(tuple(lengths[s] for s in plan_segments), H,
                                                              _sm_count(device))))
