@@ -25,7 +25,7 @@ from kda_aot import fit  # noqa: E402
 plan_walk = fit.plan_walk
 fit.plan_walk = lambda *args, **kw: (("split", 0, 1), ("full", 1, 3), ("split", 3, 5))
 _, _, mixed = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                            save_tape=True)
+                            save_tape=True, pipeline=False)  # the plan names every segment: one walk
 chunk_kda_bwd(mixed, do, dht)
 fit.plan_walk = plan_walk
 # the pipelined forward: chunk-stage launches over chunk ranges, each group's walk on a side stream
@@ -41,6 +41,8 @@ runs = {
     "kda_fwd_tape/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
                                                   output_final_state=True, save_tape=True, tape_form="quarter"),
     "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, tape_form="quarter"),
+    "kda_fwd_chunk/balanced": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
+                                                        chunk_form="balanced"),
     "kda_fwd_chunk/default": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
                                                        chunk_form="default"),
 }

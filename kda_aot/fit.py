@@ -185,9 +185,9 @@ def plan_pipeline(chain_lengths) -> tuple:
     return tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
 
 
-# The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/balanced took
-# 13.8 ms for Q1's 3,907 chunks x 32 heads (session 5 profile, bench/NOTES.md).
-CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.110
+# The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/lean took
+# 12.71 ms for Q1's 3,907 chunks x 32 heads (session 6, bench/forms_ab.py chunk, bench/NOTES.md).
+CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102
 # The chunk stage runs about this much slower beside walks spread over every SM (a walk CTA on an SM
 # leaves shared memory for one chunk-stage CTA instead of two), by the number of walk programs that
 # run at once (1: the forward; 2: the replay's forward and backward walks). Session 5's A/B (Q1, Q2,

@@ -92,10 +92,10 @@ def test_forward_matches_reference(pack, H, gate, init):
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
 def test_lean_chunk_form_matches_reference(pack, gate):
-    """kda_fwd_chunk/lean (Gamma in log2 units; the Akk/Aqk operands rounded twice: the exp to bf16,
-    then the packed product) against the fp64 reference, same bound as the shipped form; and
-    deterministic (two runs bitwise)."""
-    require_form("kda_fwd_chunk", "lean")
+    """The shipped kda_fwd_chunk/lean (Gamma in log2 units; the Akk/Aqk operands rounded twice: the
+    exp to bf16, then the packed product) against the fp64 reference, same bound as every form; and
+    deterministic (two runs bitwise); gamma bitwise the test-only balanced form's."""
+    require_form("kda_fwd_chunk", "balanced")
     from kda_aot.kda import chunk_kda_prepare, chunk_kda_walk
     q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("lean", pack, gate)), True)
     runs = []
@@ -156,10 +156,12 @@ def test_saved_tape_is_the_state_at_each_chunk_start():
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
 def test_chunk_forms_are_bitwise_equal(pack, gate):
-    """The shipped kda_fwd_chunk/balanced (Akk/Aqk tiles spread over the warps, the diagonal
-    substitution in registers) writes every output bit as /default (each warp its own rows) does."""
+    """kda_fwd_chunk/balanced (Akk/Aqk tiles spread over the warps, the diagonal substitution in
+    registers: the shipped lean's schedule) writes every output bit as /default (each warp its own
+    rows) does."""
     from kda_aot.kda import chunk_kda_prepare
     require_form("kda_fwd_chunk", "default")
+    require_form("kda_fwd_chunk", "balanced")
     q, k, v, g, beta, cu, _ = make(PACKS[pack], 5, gate, rng(("chunk-forms", pack, gate)), False)
     a = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="default")
     b = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="balanced")
