@@ -10,6 +10,8 @@
 #            the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
 #            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 (H64_ARGS, e.g. --no-fla);
 #     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack; CP1_ARGS, e.g. --no-fla).
+# EXTRA_A / EXTRA_B: a shell command run first on GPU 0 / GPU 1 (e.g. "python3 bench/walk_sweep.py"; SAN=1:
+# compute-sanitizer memcheck + racecheck of bench/sanitize_kda.py on GPU 1 first, test-only forms built).
 # Defaults: CP2_PACKS=all CP2_S=340 H64_S=90 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
 # CP2_ARGS passes more arguments to the CP2 benchmark (e.g. "--layouts zigzag --no-fla").
 source "$(dirname "$0")/device_env.sh"
@@ -29,7 +31,8 @@ finish() {
 }
 trap finish EXIT
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
-if [ -n "$TESTS_FROM$TESTS_K" ]; then export KDA_AOT_TEST_RECORDS=1; fi  # the tests check test-only forms too
+SAN=${SAN-}; EXTRA_A=${EXTRA_A-}; EXTRA_B=${EXTRA_B-}
+if [ -n "$TESTS_FROM$TESTS_K$SAN" ]; then export KDA_AOT_TEST_RECORDS=1; fi  # the tests check test-only forms too
 KDA_AOT_PROGRAMS=${KDA_AOT_PROGRAMS:-} python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -41,6 +44,7 @@ if [ -n "$CP2_PACKS" ]; then
 fi
 (
   export CUDA_VISIBLE_DEVICES=0
+  if [ -n "$EXTRA_A" ]; then timeout $(cap 120) bash -c "$EXTRA_A" > "$W/extra_a.log" 2>&1; stamp "A: extra rc $?"; fi
   FILES="tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py
     tests/test_conv_gpu.py tests/test_graph_gpu.py"
   if [ -n "$TESTS_K" ]; then
@@ -66,6 +70,13 @@ fi
 ) &
 (
   export CUDA_VISIBLE_DEVICES=1
+  if [ "$SAN" = 1 ]; then
+    for tool in memcheck racecheck; do
+      timeout $(cap 80) compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py > "$W/sanitizer_$tool.log" 2>&1
+      stamp "B: compute-sanitizer $tool exit $? $(tail -1 "$W/sanitizer_$tool.log")"
+    done
+  fi
+  if [ -n "$EXTRA_B" ]; then timeout $(cap 120) bash -c "$EXTRA_B" > "$W/extra_b.log" 2>&1; stamp "B: extra rc $?"; fi
   if [ -n "$SINGLE_B" ]; then
     timeout $(cap 300) python3 -m kda_aot.bench single --pack "$SINGLE_B" --iters 5 --walk-forms auto,full \
       --out "$W/single" > "$W/single_b.log" 2>&1; stamp "B: single $SINGLE_B rc $?"
@@ -79,4 +90,5 @@ wait
 for f in "$W"/cp/*.jsonl "$W"/single/*.jsonl "$W"/h64/*.jsonl; do [ -f "$f" ] && echo "$f: $(wc -l < "$f") rows"; done
 grep -E "^(FAILED|ERROR)" "$W/pytest.log" 2>/dev/null | head -12
 cat "$W/forms_ab.log" 2>/dev/null | tail -12
+cat "$W/extra_a.log" "$W/extra_b.log" 2>/dev/null | tail -30
 grep -hE "Timeout|^  File" "$W"/cp2.log 2>/dev/null | grep -v "torch/distributed/elastic\|torchrun\|run.py" | head -20
