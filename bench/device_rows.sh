@@ -10,6 +10,7 @@
 #            the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
 #            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 (H64_ARGS, e.g. --no-fla);
 #     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack; CP1_ARGS, e.g. --no-fla).
+# NCCL_TESTS=1: tests/test_cp_nccl_cuda.py first (both GPUs).
 # EXTRA_A / EXTRA_B: a shell command run first on GPU 0 / GPU 1 (e.g. "python3 bench/walk_sweep.py"; SAN=1:
 # compute-sanitizer memcheck + racecheck of bench/sanitize_kda.py on GPU 1 first, test-only forms built).
 # Defaults: CP2_PACKS=all CP2_S=340 H64_S=90 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
@@ -32,11 +33,15 @@ finish() {
 trap finish EXIT
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
 SAN=${SAN-}; EXTRA_A=${EXTRA_A-}; EXTRA_B=${EXTRA_B-}
-if [ -n "$TESTS_FROM$TESTS_K$SAN" ]; then export KDA_AOT_TEST_RECORDS=1; fi  # the tests check test-only forms too
+if [ -n "$TESTS_FROM$TESTS_K$SAN${NCCL_TESTS-}" ]; then export KDA_AOT_TEST_RECORDS=1; fi  # the tests check test-only forms too
 KDA_AOT_PROGRAMS=${KDA_AOT_PROGRAMS:-} python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$W/cp" "$W/single" "$W/h64"
+if [ "${NCCL_TESTS-}" = 1 ]; then  # the CP tests over NCCL with the CUDA backend (both GPUs, ~15 s)
+  timeout $(cap 90) python3 -m pytest -q -rs tests/test_cp_nccl_cuda.py > "$W/pytest_cp_nccl.log" 2>&1
+  stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
+fi
 if [ -n "$CP2_PACKS" ]; then
   KDA_AOT_DUMP_AFTER=$(( ${CP2_S:-340} - 30 )) timeout $(cap ${CP2_S:-340}) torchrun --nproc-per-node 2 -m kda_aot.bench cp \
     --pack "$CP2_PACKS" --iters 5 --walk-forms auto,full --out "$W/cp" ${CP2_ARGS:-} > "$W/cp2.log" 2>&1
@@ -88,7 +93,7 @@ fi
 ) &
 wait
 for f in "$W"/cp/*.jsonl "$W"/single/*.jsonl "$W"/h64/*.jsonl; do [ -f "$f" ] && echo "$f: $(wc -l < "$f") rows"; done
-grep -E "^(FAILED|ERROR)" "$W/pytest.log" 2>/dev/null | head -12
+grep -E "^(FAILED|ERROR)" "$W/pytest.log" "$W/pytest_cp_nccl.log" 2>/dev/null | head -12
 cat "$W/forms_ab.log" 2>/dev/null | tail -12
 cat "$W/extra_a.log" "$W/extra_b.log" 2>/dev/null | tail -30
 grep -hE "Timeout|^  File" "$W"/cp2.log 2>/dev/null | grep -v "torch/distributed/elastic\|torchrun\|run.py" | head -20

@@ -29,7 +29,7 @@ W, H, K = 2, 2, 128
 REL = 1e-2
 PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100],
          "long": [9000, 300, 4200]}  # T % 4 == 0 (zigzag); "long": fragments of > 32 chunks (summary pieces)
-BATCHED = {"KDA_AOT_CP_BATCHED_SUMMARIES": "1"}
+PER_FRAGMENT = {"KDA_AOT_CP_BATCHED_SUMMARIES": "0"}  # the default is batched
 _JOB = {}
 
 
@@ -86,10 +86,10 @@ def results(name):
         cases = [{"kind": "op", "backend": "cuda", "name": f"{lay}/{pack}", "layout": lay,
                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                   "modes": ["saved", "replay"]} for lay in cp.LAYOUTS for pack in PACKS]
-        # the batched summaries (all fragments at once, in pieces composed in fp32)
-        cases += [{"kind": "op", "backend": "cuda", "name": f"batched/{lay}/{pack}", "layout": lay,
+        # one summary per fragment (the knob off; the default batches them in pieces composed in fp32)
+        cases += [{"kind": "op", "backend": "cuda", "name": f"per-fragment/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
-                   "modes": ["saved", "replay"], "env": BATCHED} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
+                   "modes": ["saved", "replay"], "env": PER_FRAGMENT} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
         for lay in cp.LAYOUTS:
             x, sd, _ = module_case("spans")
             cases.append({"kind": "module", "backend": "cuda", "name": f"module/{lay}/spans", "layout": lay,
@@ -105,12 +105,12 @@ def rel_rms(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("layout,pack,summaries", [(lay, p, "per-fragment") for lay in cp.LAYOUTS for p in PACKS]
-                         + [(lay, p, "batched") for lay in cp.LAYOUTS for p in ("mixed", "long")])
+@pytest.mark.parametrize("layout,pack,summaries", [(lay, p, "batched") for lay in cp.LAYOUTS for p in PACKS]
+                         + [(lay, p, "per-fragment") for lay in cp.LAYOUTS for p in ("mixed", "long")])
 def test_cuda_backend_matches_reference(layout, pack, summaries):
-    """Both summary paths: one per fragment, and batched (KDA_AOT_CP_BATCHED_SUMMARIES=1: all the
-    rank's fragments in two launches, each fragment cut into pieces composed in fp32)."""
-    res = results(f"{layout}/{pack}" if summaries == "per-fragment" else f"batched/{layout}/{pack}")
+    """Both summary paths: batched (the default: all the rank's fragments in two launches, each
+    fragment cut into pieces composed in fp32) and one per fragment (KDA_AOT_CP_BATCHED_SUMMARIES=0)."""
+    res = results(f"{layout}/{pack}" if summaries == "batched" else f"per-fragment/{layout}/{pack}")
     G.check_modes_bitwise(res, f"cuda {summaries} {layout} {pack}")
     plan = cp.make_plan(G.cu_of(PACKS[pack]), layout, world_size=W, rank=0)
     want = expected(pack)

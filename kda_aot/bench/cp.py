@@ -25,8 +25,8 @@ from .common import row, with_env, with_walk_form, write_rows
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
-BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops
-BATCHED_ARM = "kda_aot/batched"
+BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops (default on)
+PER_FRAGMENT_ARM = "kda_aot/per_fragment"  # the knob off: one summary (two walk launches) per fragment
 NO_PLAN_ARM = "kda_aot/no_plan"  # one GPU, no CP plan (cu_seqlens): CP1's rows carry it as the single-device baseline
 
 
@@ -73,7 +73,7 @@ def fla_kda():
 
 
 def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",),
-        layouts=LAYOUTS, with_fla=True, batched=False) -> list[dict]:
+        layouts=LAYOUTS, with_fla=True, per_fragment=False) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows, t_start = [], time.monotonic()
@@ -117,9 +117,9 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                     o, _ = module(*leaves, gl, bl, cu_seqlens=cu)
                     o.backward(do)
                 arms[(NO_PLAN_ARM, "B1")], arms[(NO_PLAN_ARM, "B3")] = single_b1, single_b3
-            if batched:  # the batched summaries (all fragments at once, in pieces) against one per fragment
-                arms[(BATCHED_ARM, "B1")], arms[(BATCHED_ARM, "B3")] = (with_env(BATCHED_KNOB, "1", b1),
-                                                                        with_env(BATCHED_KNOB, "1", b3))
+            if per_fragment:  # one summary per fragment against the batched summaries (the default)
+                arms[(PER_FRAGMENT_ARM, "B1")], arms[(PER_FRAGMENT_ARM, "B3")] = (with_env(BATCHED_KNOB, "0", b1),
+                                                                                  with_env(BATCHED_KNOB, "0", b3))
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -146,8 +146,8 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                         print(f"[{time.monotonic() - t_start:.0f} s] {pack} {layout} {key[0]} {key[1]}: first call "
                               f"{time.monotonic() - t_arm:.1f} s", file=sys.stderr, flush=True)
             phases = {"kda_aot": _phases_by_rank(b3, iters=3)}
-            if batched:
-                phases[BATCHED_ARM] = _phases_by_rank(with_env(BATCHED_KNOB, "1", b3), iters=3)
+            if per_fragment:
+                phases[PER_FRAGMENT_ARM] = _phases_by_rank(with_env(BATCHED_KNOB, "0", b3), iters=3)
             new = []
             for (arm, boundary), ts in times.items():
                 extra = {"phases_ms_by_rank": phases[arm]} if boundary == "B3" and arm in phases else {}
@@ -176,8 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--walk-forms", default="auto", help="fit-rule knob per kda_aot arm, e.g. auto,full")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
     p.add_argument("--no-fla", action="store_true", help="leave out flash-linear-attention's CP arm")
-    p.add_argument("--batched-summaries", action="store_true",
-                   help=f"add the arm {BATCHED_ARM} ({BATCHED_KNOB}=1: every fragment's summary at once, in pieces)")
+    p.add_argument("--per-fragment-summaries", action="store_true",
+                   help=f"add the arm {PER_FRAGMENT_ARM} ({BATCHED_KNOB}=0: one summary per fragment instead of "
+                        "every fragment's at once, in pieces)")
     args = p.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
                    walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla,
-                   batched=args.batched_summaries)
+                   per_fragment=args.per_fragment_summaries)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))

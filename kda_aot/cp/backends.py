@@ -27,7 +27,7 @@ states:
     summaries_of(prepared, requests, plan_segments) -> [(M, B or None)]               (optional)
         several segments' summaries at once (batched, each walked as pieces composed in fp32:
         another rounding order, within the fp32 summary bound); used instead of summary_of
-        under KDA_AOT_CP_BATCHED_SUMMARIES=1. Each segment's bits depend only on the segment and
+        unless KDA_AOT_CP_BATCHED_SUMMARIES=0. Each segment's bits depend only on the segment and
         on plan_segments, which the op keeps the same in the forward and the backward.
     replay(prepared, states, do, dfinals) -> (ctx, dstates or None)                  (optional)
         the replay backward's forward(keep=True) on a prepared chunk stage and, when dfinals is
@@ -154,10 +154,10 @@ class CudaBackend:
                 c += n
                 bounds.append(len(rows))
                 pieces.append(n)
-        sel = torch.tensor(rows, dtype=torch.long, device=device)
+        sel = _to_device(torch.tensor(rows, dtype=torch.long), device)
         view = dict(prepared, chunks=prepared["chunks"].index_select(0, sel),
                     gamma=prepared["gamma"].index_select(0, sel),
-                    seg_chunks=torch.tensor(bounds, dtype=torch.int32, device=device),
+                    seg_chunks=_to_device(torch.tensor(bounds, dtype=torch.int32), device),
                     chain_lengths=tuple(pieces))
         B = None
         if any(need_b for _, need_b in requests):
@@ -194,6 +194,13 @@ class CudaBackend:
         from ..kda import chunk_kda_bwd_walk
         return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                                   need_dtape=False)[1]  # the offset walk: no tape written
+
+
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A small host table onto the GPU without waiting for the GPU: from pinned memory, non-blocking
+    (a pageable copy synchronises the host with the queued work, which then runs without the launches
+    queued behind it; the caching host allocator keeps the pinned buffer until the copy is done)."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def get_backend(backend, dtype: Optional[torch.dtype] = None):

@@ -10,6 +10,15 @@ constexpr int kPitch = kHeadDim + 8;  // bf16 row pitch of 128-wide shared tiles
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
 
+// Kernels that keep Gamma in log2 units (Gamma x log2 e) take every exp of it as one ex2: the
+// hardware op __expf also ends in, without the FMUL by log2 e before it.
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Rows [0, len) of one head of a token-major [T, H, 128] bf16 tensor into a [64][kPitch] shared
 // tile; rows [len, 64) are zero so that short chunks need no special cases in the products.
 __device__ __forceinline__ void load_chunk_rows(__nv_bfloat16 (*dst)[kPitch], const uint16_t* src, int64_t t0,
@@ -90,11 +99,14 @@ namespace kda {
 
 // A warp's 16-row slice of a 128 x (8 NT) fp32 state in mma accumulator layout (rows m0 + g8 and
 // m0 + g8 + 8, columns 8 nt + 2 tg, +1), to or from a row-major matrix with 128-float rows.
+// Tiles [nt0, nt1) only: the walks spread their tape stores over a product's k-steps, a few per
+// step between the ldmatrix and mma of the loop, instead of 2 NT stores in a row at the chunk start
+// that the loop's shared-memory loads then queue behind (same values, same addresses).
 template <int NT>
-__device__ __forceinline__ void store_state(float* dst, const float (&st)[NT][4], int m0) {
+__device__ __forceinline__ void store_state(float* dst, const float (&st)[NT][4], int m0, int nt0 = 0, int nt1 = NT) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, tg = lane & 3;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
+  for (int nt = nt0; nt < nt1; ++nt) {
     const int col = nt * 8 + 2 * tg;
     *reinterpret_cast<float2*>(dst + (m0 + g8) * kHeadDim + col) = make_float2(st[nt][0], st[nt][1]);
     *reinterpret_cast<float2*>(dst + (m0 + g8 + 8) * kHeadDim + col) = make_float2(st[nt][2], st[nt][3]);
