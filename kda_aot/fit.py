@@ -197,6 +197,11 @@ CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102
 CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 2.0, 2: 2.0}
 # A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
 PIPELINE_CRITICAL_PATH = True
+# A/B switch (bench/forms_ab.py pipeline, arm "held"): the last group's walk is planned on the SMs that
+# the earlier groups' walks predicted to outlast the chunk stage leave it, not on every SM (session 6:
+# Q2's replay ran 4.6 % slower than with every walk forced full; its first group's walks, two thirds
+# of the chunks, still hold 64 SMs when the last group's split walks start).
+PIPELINE_LAST_GROUP_HELD = False
 
 
 def walk_step_us(program: str) -> float | None:
@@ -220,10 +225,20 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     every SM."""
     groups = plan_pipeline(chain_lengths)
     a, b = groups[group]
-    if group == len(groups) - 1:
-        return sms
-    restricted = max(1, min(sms, heads * (b - a)))
     step = walk_step_us(program)
+    if group == len(groups) - 1:
+        if not PIPELINE_LAST_GROUP_HELD or step is None or program not in measured_rho():
+            return sms
+        end_us = sum(chain_lengths) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD  # the chunk stage's end
+        held, done = 0, 0
+        for i, (x, y) in enumerate(groups[:-1]):
+            done += sum(chain_lengths[x:y])
+            on = pipelined_walk_sms(program, chain_lengths, heads, sms, i, walks_beside)
+            walk_us = step * min(predicted(chain_lengths[x:y], heads, on, *measured_rho()[program]).values())
+            if done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD + walk_us > end_us:
+                held += on
+        return max(1, sms - held)
+    restricted = max(1, min(sms, heads * (b - a)))
     if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
         return restricted
     fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())

@@ -99,14 +99,11 @@ namespace kda {
 
 // A warp's 16-row slice of a 128 x (8 NT) fp32 state in mma accumulator layout (rows m0 + g8 and
 // m0 + g8 + 8, columns 8 nt + 2 tg, +1), to or from a row-major matrix with 128-float rows.
-// Tiles [nt0, nt1) only: the walks spread their tape stores over a product's k-steps, a few per
-// step between the ldmatrix and mma of the loop, instead of 2 NT stores in a row at the chunk start
-// that the loop's shared-memory loads then queue behind (same values, same addresses).
 template <int NT>
-__device__ __forceinline__ void store_state(float* dst, const float (&st)[NT][4], int m0, int nt0 = 0, int nt1 = NT) {
+__device__ __forceinline__ void store_state(float* dst, const float (&st)[NT][4], int m0) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, tg = lane & 3;
 #pragma unroll
-  for (int nt = nt0; nt < nt1; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     const int col = nt * 8 + 2 * tg;
     *reinterpret_cast<float2*>(dst + (m0 + g8) * kHeadDim + col) = make_float2(st[nt][0], st[nt][1]);
     *reinterpret_cast<float2*>(dst + (m0 + g8 + 8) * kHeadDim + col) = make_float2(st[nt][2], st[nt][3]);
