@@ -81,17 +81,18 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
 def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     """The pipelined order under the shipped rule (fit.pipelined_walk_sms: critical), with the last
     group's walk on the SMs the earlier walks leave it (held), with every walk but the last restricted
-    to its chains' SMs (session 4's rule: restricted), and the plain order. (Session 6 retired the
-    arms critical-tuned and critical+bwd: bench/NOTES.md.)"""
+    to its chains' SMs (session 4's rule: restricted), with the replay's backward stages pipelined
+    too (critical+bwd, replay only: KDA_AOT_PIPELINE_BWD), and the plain order."""
     from kda_aot import fit
     from kda_aot.kda import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
-    shipped = dict(pipeline="1", critical=True, held=fit.PIPELINE_LAST_GROUP_HELD)
-    arms = {"critical": {}, "held": dict(held=True), "restricted": dict(critical=False), "plain": dict(pipeline="0")}
+    shipped = dict(pipeline="1", bwd="0", critical=True, held=fit.PIPELINE_LAST_GROUP_HELD)
+    arms = {"critical": {}, "held": dict(held=True), "restricted": dict(critical=False), "critical+bwd": dict(bwd="1"),
+            "plain": dict(pipeline="0")}
 
     def configure(setting):
-        os.environ["KDA_AOT_PIPELINE"] = setting["pipeline"]
+        os.environ["KDA_AOT_PIPELINE"], os.environ["KDA_AOT_PIPELINE_BWD"] = setting["pipeline"], setting["bwd"]
         fit.PIPELINE_CRITICAL_PATH = setting["critical"]
         fit.PIPELINE_LAST_GROUP_HELD = setting["held"]
         fit.pipelined_walk_sms.cache_clear()
@@ -111,7 +112,8 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
                 configure(shipped)
         return run
     for mode in ("forward", "saved", "replay"):
-        ms = interleaved({name: arm(name, mode) for name in arms}, iters=9 if mode == "forward" else 7, warmup=1)
+        names = [name for name in arms if mode == "replay" or name != "critical+bwd"]
+        ms = interleaved({name: arm(name, mode) for name in names}, iters=9 if mode == "forward" else 7, warmup=1)
         print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 

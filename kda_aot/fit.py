@@ -190,11 +190,13 @@ def plan_pipeline(chain_lengths) -> tuple:
 CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102
 # The chunk stage runs about this much slower beside walks spread over every SM (a walk CTA on an SM
 # leaves shared memory for one chunk-stage CTA instead of two), by the number of walk programs that
-# run at once (1: the forward; 2: the replay's forward and backward walks). Session 5's A/B (Q1, Q2,
-# Q6) fits {1: 1.7, 2: 3.4} better than the shipped 2.0 for both (Q2: forward -1 %, saved -4.6 %,
-# replay -1.1 %), but that moves Q3 and Q4 too, unmeasured: bench/forms_ab.py pipeline's arm
-# "critical-tuned" measures it next.
-CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 2.0, 2: 2.0}
+# run at once (1: the forward; 2: the replay's forward and backward walks, which together leave the
+# chunk stage about half the SMs a single walk does). Measured (bench/forms_ab.py pipeline, Q1-Q6,
+# session 6): with 2.0 for both, the replay gave Q2's first walks every SM and ran 72.1 ms against
+# 69.8 restricted; 3.4 for the replay keeps Q1-Q5's replay walks restricted (each arm's best within
+# 1 %) and still gives Q6's long walk every SM (78.2 ms against 84.8 restricted). The forward's 2.0
+# stays (session 6 again: {1: 1.7} moved Q3 / Q4 saved 1-2 % slower).
+CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 2.0, 2: 3.4}
 # A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
 PIPELINE_CRITICAL_PATH = True
 # A/B switch (bench/forms_ab.py pipeline, arm "held"): the last group's walk is planned on the SMs that
