@@ -6,8 +6,8 @@
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
-         pipelined (a segment group's walks beside the later groups' chunk stage; three rules for the
-         walks' SMs; the replay also with its backward stages behind the walks) and in the plain order.
+         pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
+         walks' SMs) and in the plain order.
     python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
 import os
@@ -79,24 +79,21 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
 
 
 def pipeline_ab(q, k, v, g, beta, cu, pack, H):
-    """The pipelined order under the shipped rule (fit.pipelined_walk_sms: critical), with the last
-    group's walk on the SMs the earlier walks leave it (held), with every walk but the last restricted
-    to its chains' SMs (session 4's rule: restricted), with the replay's backward stages pipelined
-    too (critical+bwd, replay only: KDA_AOT_PIPELINE_BWD), and the plain order."""
+    """The pipelined order under the shipped rule (fit.pipelined_walk_sms: critical), with every walk
+    but the last restricted to its chains' SMs (session 4's rule: restricted), and the plain order.
+    (Retired in session 6, bench/NOTES.md: the last group on the SMs the earlier walks leave it,
+    "held", and the replay's backward stages pipelined too, "critical+bwd".)"""
     from kda_aot import fit
     from kda_aot.kda import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
-    shipped = dict(pipeline="1", bwd="0", critical=True, held=fit.PIPELINE_LAST_GROUP_HELD)
-    arms = {"critical": {}, "held": dict(held=True), "restricted": dict(critical=False), "critical+bwd": dict(bwd="1"),
-            "plain": dict(pipeline="0")}
+    shipped = dict(pipeline="1", critical=True)
+    arms = {"critical": {}, "restricted": dict(critical=False), "plain": dict(pipeline="0")}
 
     def configure(setting):
-        os.environ["KDA_AOT_PIPELINE"], os.environ["KDA_AOT_PIPELINE_BWD"] = setting["pipeline"], setting["bwd"]
+        os.environ["KDA_AOT_PIPELINE"] = setting["pipeline"]
         fit.PIPELINE_CRITICAL_PATH = setting["critical"]
-        fit.PIPELINE_LAST_GROUP_HELD = setting["held"]
         fit.pipelined_walk_sms.cache_clear()
-        fit.pipeline_finish_order.cache_clear()
 
     def arm(name, mode):
         def run():
@@ -112,8 +109,7 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
                 configure(shipped)
         return run
     for mode in ("forward", "saved", "replay"):
-        names = [name for name in arms if mode == "replay" or name != "critical+bwd"]
-        ms = interleaved({name: arm(name, mode) for name in names}, iters=9 if mode == "forward" else 7, warmup=1)
+        ms = interleaved({name: arm(name, mode) for name in arms}, iters=9 if mode == "forward" else 7, warmup=1)
         print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 

@@ -62,7 +62,5 @@ chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].
 import os  # noqa: E402
 os.environ["KDA_AOT_PIPELINE"] = "1"  # the pipelined replay: chunk-stage ranges, the groups' walks on side streams
 chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
-os.environ["KDA_AOT_PIPELINE_BWD"] = "1"  # and its backward stages by chunk ranges behind the walks
-chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

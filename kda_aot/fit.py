@@ -199,11 +199,6 @@ CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102
 CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 2.0, 2: 3.4}
 # A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
 PIPELINE_CRITICAL_PATH = True
-# A/B switch (bench/forms_ab.py pipeline, arm "held"): the last group's walk is planned on the SMs that
-# the earlier groups' walks predicted to outlast the chunk stage leave it, not on every SM (session 6:
-# Q2's replay ran 4.6 % slower than with every walk forced full; its first group's walks, two thirds
-# of the chunks, still hold 64 SMs when the last group's split walks start).
-PIPELINE_LAST_GROUP_HELD = False
 
 
 def walk_step_us(program: str) -> float | None:
@@ -219,7 +214,8 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
     stays the critical path even planned on every SM with the rest of the chunk stage slowed beside
-    it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside]: 2 in the replay, whose two walks run at once):
+    it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside]; walks_beside = 2 in the replay, whose two
+    walks run at once):
     then it gets them all. Measured (forms_ab.py pipeline, session 5): Q6's long document (3,125
     chunks, 20 % of the chunk stage after it) forward 28.25 -> 23.29 ms on every SM; Q1's groups all
     on every SM 20.30 -> 23.44 ms (its walks start with 60, 28 and 12 % of the stage still to run:
@@ -227,51 +223,16 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     every SM."""
     groups = plan_pipeline(chain_lengths)
     a, b = groups[group]
-    step = walk_step_us(program)
     if group == len(groups) - 1:
-        if not PIPELINE_LAST_GROUP_HELD or step is None or program not in measured_rho():
-            return sms
-        end_us = sum(chain_lengths) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD  # the chunk stage's end
-        held, done = 0, 0
-        for i, (x, y) in enumerate(groups[:-1]):
-            done += sum(chain_lengths[x:y])
-            on = pipelined_walk_sms(program, chain_lengths, heads, sms, i, walks_beside)
-            walk_us = step * min(predicted(chain_lengths[x:y], heads, on, *measured_rho()[program]).values())
-            if done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD + walk_us > end_us:
-                held += on
-        return max(1, sms - held)
+        return sms
     restricted = max(1, min(sms, heads * (b - a)))
+    step = walk_step_us(program)
     if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
         return restricted
     fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
     done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     rest_us = (sum(chain_lengths) - done) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
     return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside] * rest_us <= step * fast else restricted
-
-
-@functools.lru_cache(maxsize=1024)
-def pipeline_finish_order(chain_lengths: tuple, heads: int, sms: int) -> tuple:
-    """The pipelined replay's groups (plan_pipeline's indices) in their predicted order of walk
-    completion, for the backward stages that follow each group's two walks: a group's walks start
-    when its chunk stage ends and last as the slower of its forward and backward walk on the SMs
-    pipelined_walk_sms gives them (the best form's predicted makespan, full-step costs from
-    fit_params.json). Without measured step costs: the reverse launch order (the last groups' walks
-    are the shortest). Ties keep launch order."""
-    groups = plan_pipeline(chain_lengths)
-    rhos = measured_rho()
-    programs = ("kda_fwd_tape", "kda_bwd_tape")
-    if any(walk_step_us(p) is None or p not in rhos for p in programs):
-        return tuple(reversed(range(len(groups))))
-    finish, done = [], 0
-    for i, (a, b) in enumerate(groups):
-        done += sum(chain_lengths[a:b])
-        start = done * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
-        walks = [walk_step_us(p) * min(predicted(chain_lengths[a:b], heads,
-                                                 pipelined_walk_sms(p, chain_lengths, heads, sms, i, 2),
-                                                 *rhos[p]).values())
-                 for p in programs]
-        finish.append(start + max(walks))
-    return tuple(sorted(range(len(groups)), key=lambda i: (finish[i], i)))
 
 
 # Pieces of the CP summary walks (kda_aot.cp, batched summaries): a fragment of n chunks is walked as

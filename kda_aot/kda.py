@@ -236,13 +236,11 @@ def _pipeline_on(pipeline=None) -> bool:
     return os.environ.get("KDA_AOT_PIPELINE", "1") == "1" if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, after=None):
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. after(chunk_ranges, events), when given,
-    then launches more on the current stream: chunk_ranges[i] = group i's chunks (first, end),
-    events[i] the end of its walks on each of its side streams. The side streams are joined back
+    walks run beside the chunk stage of the groups after it. The side streams are joined back
     into the current stream, also when a launch raises: queued work may still read the caller's
     tensors."""
     q = prepared["q"]
@@ -251,16 +249,11 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     main = torch.cuda.current_stream(q.device)
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
     try:
-        events = []
         for i, (a, b) in enumerate(groups):
             _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
             for pool in streams:
                 pool[i].wait_stream(main)
             launch_group(i, a, b, [pool[i] for pool in streams])
-            if after is not None:
-                events.append([pool[i].record_event() for pool in streams])
-        if after is not None:
-            after([(first_chunk[a], first_chunk[b]) for a, b in groups], events)
     finally:
         for pool in streams:
             for side in pool:
@@ -375,9 +368,8 @@ def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     return t
 
 
-def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
-    """kda_bwd_chunk over chunks [first, end) (all by default)."""
-    desc = {name: describe(x, name) for name, x in _chunk_range(t, first, end).items()}
+def _launch_bwd_chunk(t: dict, form: str):
+    desc = {name: describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
     registry.library("kda_bwd_chunk", form).launch(desc, t["scale"], stream_of(t["dout"]))
 
 
@@ -395,9 +387,8 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     return t
 
 
-def _launch_gate(t: dict, gate_form: str, first: int = 0, end: int | None = None):
-    """kda_bwd_gate over chunks [first, end) (all by default)."""
-    desc = {name: describe(x, name) for name, x in _chunk_range(t, first, end).items()}
+def _launch_gate(t: dict, gate_form: str):
+    desc = {name: describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
     registry.library("kda_bwd_gate", gate_form).launch(desc, t["scale"], stream_of(t["q"]))
 
 
@@ -436,15 +427,13 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     return _gate_result(t, parts["dv"], dh0)
 
 
-def replay_bytes_per_head(T: int, n_chunks: int, pipelined_bwd: bool = False) -> int:
+def replay_bytes_per_head(T: int, n_chunks: int) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
     replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
     token), its outputs (dv, dRk, dQg, dKg, dAqk, dAkk in bf16, dbeta_v: 1,284 B a token), a head
     group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
-    (128 KiB a chunk). pipelined_bwd (_replay_step_pipelined_bwd): nothing is released before
-    kda_bwd_gate's outputs (dq, dk bf16, dg fp32, dbeta partials: 1,032 B a token) exist too."""
-    return (T * (1280 + 1284 + 1538 + (1032 if pipelined_bwd else 0))
-            + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4))
+    (128 KiB a chunk)."""
+    return T * (1280 + 1284 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
@@ -477,8 +466,7 @@ def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
     key = (T, H, n_chunks, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
         return _LAST_GROUPS.get(key, [(0, H)])
-    per_head = replay_bytes_per_head(T, n_chunks, pipelined_bwd=_pipeline_on() and _pipeline_bwd_on())
-    groups = head_groups(H, per_head, _available_bytes(device))
+    groups = head_groups(H, replay_bytes_per_head(T, n_chunks), _available_bytes(device))
     _LAST_GROUPS[key] = groups
     return groups
 
@@ -519,8 +507,6 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage unless KDA_AOT_PIPELINE=0), then the chunk-parallel backward. Bitwise the same
     as the saved-context backward."""
-    if _pipeline_on() and _pipeline_bwd_on():
-        return _replay_step_pipelined_bwd(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     if _pipeline_on():
         saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
     else:
@@ -531,12 +517,12 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, after=None):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
-    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same.
-    after(saved, [dtape, d_initial_state], chunk_ranges, events): launches more on the current
-    stream before the side streams are joined (_pipelined's `after`)."""
+    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
+    chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
+    bound by the sum of its kernels' SM time, bench/NOTES.md.)"""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
@@ -561,43 +547,8 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, af
                                out={"dtape": dtape, "dinitial_state": dh0[a:b]},
                                sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
                                pool=f"kda_bwd_tape/replay{i}")
-    saved = dict(prepared, initial_state=h0, **outs)
-    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks,
-               None if after is None else (lambda ranges, events: after(saved, [dtape, dh0], ranges, events)))
-    return saved, [dtape, dh0]
-
-
-def _pipeline_bwd_on() -> bool:
-    """KDA_AOT_PIPELINE_BWD=1: the replay's backward stages pipelined behind the walks too
-    (_replay_step_pipelined_bwd; off until measured on the GPU, bench/NOTES.md session 5)."""
-    return os.environ.get("KDA_AOT_PIPELINE_BWD", "0") == "1"
-
-
-def _replay_step_pipelined_bwd(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
-    """The replay step with its chunk-parallel backward pipelined too: the chunk stage and walks as in
-    _replay_walks_pipelined, then kda_bwd_chunk and kda_bwd_gate a segment group at a time, each as
-    soon as that group's two walks are done (groups in their predicted order of completion,
-    fit.pipeline_finish_order), so that the backward of the groups whose walks end first runs beside
-    the walks still going. Same kernels on the same per-chunk data as the plain replay: bitwise the
-    same. Everything stays allocated to the end (no release between the stages): peak memory is
-    replay_bytes_per_head(..., pipelined_bwd=True)."""
-    bwd_form = _pick_form("bwd_chunk_form", None, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
-    gate_form = _pick_form("gate_form", None, "KDA_AOT_GATE_FORM", GATE_FORMS)
-    result = {}
-
-    def backward_stages(saved, walk, chunk_ranges, events):
-        parts = _bwd_chunk_tensors(saved, do, walk[0])
-        gate = _gate_tensors(saved, parts, gate_form)
-        main = torch.cuda.current_stream(q.device)
-        for i in fit.pipeline_finish_order(saved["chain_lengths"], q.shape[2], max(1, _sm_count(q.device) // 2)):
-            for event in events[i]:
-                main.wait_event(event)
-            _launch_bwd_chunk(parts, bwd_form, *chunk_ranges[i])
-            _launch_gate(gate, gate_form, *chunk_ranges[i])
-        result["grads"] = _gate_result(gate, parts["dv"], walk[1])
-
-    _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, after=backward_stages)
-    return result["grads"]
+    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
+    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):

@@ -14,14 +14,12 @@ pytestmark = gpu
 @pytest.mark.parametrize("mode,plan,pipeline", [
     ("replay", None, "0"), ("saved", None, "0"),
     ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)), "0"),
-    ("saved", None, "1"), ("replay", None, "1"), ("replay", None, "bwd")],
-    ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined", "replay-pipelined", "replay-pipelined-bwd"])
+    ("saved", None, "1"), ("replay", None, "1")],
+    ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined", "replay-pipelined"])
 def test_b3_step_captures_and_replays_bitwise(monkeypatch, mode, plan, pipeline):
     """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk;
-    pipeline: the pipelined forward and replay (KDA_AOT_PIPELINE), the groups' walks on side streams;
-    "bwd": also the replay's backward stages behind the walks (KDA_AOT_PIPELINE_BWD)."""
-    monkeypatch.setenv("KDA_AOT_PIPELINE", "1" if pipeline == "bwd" else pipeline)
-    monkeypatch.setenv("KDA_AOT_PIPELINE_BWD", "1" if pipeline == "bwd" else "0")
+    pipeline: the pipelined forward and replay (KDA_AOT_PIPELINE), the groups' walks on side streams."""
+    monkeypatch.setenv("KDA_AOT_PIPELINE", pipeline)
     if plan is not None:
         from kda_aot import fit
         monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)

@@ -271,27 +271,3 @@ def test_pipelined_forward_gradients_bitwise(monkeypatch, mode):
         results.append([o.detach(), ht.detach()] + [x.grad for x in leaves])
     for a, b in zip(*results):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("chains", list(CHAIN_PACKS))
-@pytest.mark.parametrize("gate_form", ["split_staged", "full"])
-def test_pipelined_backward_stages_are_bitwise(monkeypatch, chains, gate_form):
-    """KDA_AOT_PIPELINE_BWD=1 (the replay's kda_bwd_chunk and kda_bwd_gate a segment group at a time,
-    each once its group's walks are done): every gradient bitwise as the replay without it and as
-    the saved mode; a split gate form (dbeta partials summed after all groups) and a full one."""
-    from kda_aot.kda import chunk_kda
-    require_form("kda_bwd_gate", gate_form)
-    monkeypatch.setenv("KDA_AOT_GATE_FORM", gate_form)
-    q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline-bwd", chains, gate_form)), True)
-    do = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-bwd-do", chains))).to(torch.bfloat16)
-    results = []
-    for mode, flag in (("replay", "0"), ("replay", "1"), ("saved", "1")):
-        monkeypatch.setenv("KDA_AOT_PIPELINE_BWD", flag)
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-        o, ht = chunk_kda(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], output_final_state=True,
-                          backward=mode)
-        torch.autograd.backward([o, ht], [do, torch.ones_like(ht)])
-        results.append([x.grad for x in leaves])
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)

@@ -146,15 +146,13 @@ class CudaBackend:
                                                              _sm_count(device))))
         first = [0, *itertools.accumulate(lengths)]
         rows, bounds, pieces, counts = [], [0], [], []
-        for segment, _ in requests:
-            c = first[segment]
+        for segment, _ in requests:  # a segment's pieces are consecutive: its chunk rows in order
+            rows.append(torch.arange(first[segment], first[segment + 1]))
             counts.append(planned[segment])
             for n in fit.piece_lengths(lengths[segment], planned[segment]):
-                rows.extend(range(c, c + n))
-                c += n
-                bounds.append(len(rows))
+                bounds.append(bounds[-1] + n)
                 pieces.append(n)
-        sel = _to_device(torch.tensor(rows, dtype=torch.long), device)
+        sel = _to_device(torch.cat(rows), device)
         view = dict(prepared, chunks=prepared["chunks"].index_select(0, sel),
                     gamma=prepared["gamma"].index_select(0, sel),
                     seg_chunks=_to_device(torch.tensor(bounds, dtype=torch.int32), device),
