@@ -7,8 +7,10 @@
          split_horner) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
-         walks' SMs) and in the plain order.
-    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
+         walks' SMs) and in the plain order;
+  walkmma: the forward and training steps (saved, replay) with the forward walk's products on
+         wgmma (shipped) and on mma.sync (KDA_AOT_WALK_MMA), and the forward walk alone (full form).
+    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|walkmma|all] [pack[,pack..]] [heads]
 """
 import os
 import sys
@@ -53,6 +55,8 @@ def ab(what, pack, H):
         replay_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("pipeline", "all"):
         pipeline_ab(q, k, v, g, beta, cu, pack, H)
+    if what in ("walkmma", "all"):
+        walkmma_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("gate", "all"):
         forms = registry.built_forms("kda_bwd_gate", GATE_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
@@ -112,6 +116,34 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
         ms = interleaved({name: arm(name, mode) for name in arms}, iters=9 if mode == "forward" else 7, warmup=1)
         print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
+
+
+def walkmma_ab(q, k, v, g, beta, cu, pack, H):
+    from kda_aot.kda import WALK_MMA, chunk_kda, chunk_kda_walk
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+    do = torch.randn_like(q)
+    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu)
+
+    def arm(mma, mode):
+        def run():
+            os.environ["KDA_AOT_WALK_MMA"] = mma
+            try:
+                if mode == "walk":
+                    chunk_kda_walk(prepared, tape_form="full")
+                elif mode == "forward":
+                    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+                else:
+                    for x in leaves:
+                        x.grad = None
+                    chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
+            finally:
+                del os.environ["KDA_AOT_WALK_MMA"]
+        return run
+    for mode in ("walk", "forward", "saved", "replay"):
+        ms = interleaved({mma: arm(mma, mode) for mma in WALK_MMA}, iters=9 if mode in ("walk", "forward") else 7,
+                         warmup=1)
+        print(f"{pack} H={H} {mode}{' (full form)' if mode == 'walk' else ''}: "
+              + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ RECORDS: tuple[Record, ...] = (
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
     # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): session 4
     # default 16.04 ms, balanced 14.14 (bitwise equal); session 6 balanced 13.96, lean 12.71 (fp64-checked,
-    # saved == replay bitwise under it), so lean ships.
+    # saved == replay bitwise under it), so lean ships. Session 7: W, U and Aqk out through shared memory
+    # 11.93 ms against 12.64 from the fragments (bitwise equal; the fragment path retired).
     Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True},
            select="always (the shipped form): balanced with Gamma in log2 units and the Akk/Aqk operands "
                   "as packed bf16 products (another rounding than balanced: fp64-checked, not bitwise)",
@@ -95,16 +96,42 @@ RECORDS: tuple[Record, ...] = (
     # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
     # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/fit.py,
     # kda_aot/fit_params.json) picks per launch.
-    Record(program="kda_fwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1},
+    # Session 7: the forward walk's products on wgmma (S, V' read from shared memory once per warpgroup)
+    # and O out through shared memory in whole rows (bench/forms_ab.py walkmma, Q1 / Q2 / Q6, H = 32):
+    # full-form walk 8.65 -> 7.70, 12.62 -> 11.40, 17.05 -> 15.40 ms; forward 18.11 -> 17.40,
+    # 20.09 -> 18.77, 21.10 -> 20.84; saved step -1.5 / -2.6 / -0.2 %; replay step -1.6 / +3.7 / -1.7 %.
+    # The mma.sync walks stay as test-only records (KDA_AOT_WALK_MMA=sync).
+    Record(program="kda_fwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
+                                                        "wgmma": True, "profile": False},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
-           grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks (128 value columns), output fused"),
-    Record(program="kda_fwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2},
+           grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks (128 value columns), output "
+                "fused; warpgroup 0: W S and V', warpgroup 1: Q S and O, each its half of the state update"),
+    Record(program="kda_fwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
+                                                         "wgmma": True, "profile": False},
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
-    Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1},
+    Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
+                                                           "wgmma": True, "profile": False},
            select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
+    Record(program="kda_fwd_tape", form="full_prof", params={"threads": 256, "columns": 128, "stages": 2,
+                                                             "min_blocks": 1, "wgmma": True, "profile": True},
+           select="bench/walk_profile.py only: `full` writing clock64 cycles per phase of a step",
+           grid="as full", shipped=False),
+    Record(program="kda_fwd_tape", form="full_sync", params={"threads": 256, "columns": 128, "stages": 2,
+                                                             "min_blocks": 1, "wgmma": False, "profile": False},
+           select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `full` with mma.sync products (one warp "
+                  "per 16 chunk rows x half the columns)",
+           grid="(N segments, H) CTAs of 256 threads", shipped=False),
+    Record(program="kda_fwd_tape", form="split_sync", params={"threads": 256, "columns": 64, "stages": 1,
+                                                              "min_blocks": 2, "wgmma": False, "profile": False},
+           select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `split` with mma.sync products",
+           grid="(N segments, H, 2) CTAs of 256 threads", shipped=False),
+    Record(program="kda_fwd_tape", form="quarter_sync", params={"threads": 256, "columns": 32, "stages": 2,
+                                                                "min_blocks": 1, "wgmma": False, "profile": False},
+           select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `quarter` with mma.sync products",
+           grid="(N segments, H, 4) CTAs of 256 threads", shipped=False),
     # The backward and the CP transfer walk: GPU tests passed (bench/NOTES.md, 2026-11-30), shipped.
     Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",

@@ -84,6 +84,21 @@ def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
     return part
 
 
+# KDA_AOT_WALK_MMA: the forward walk's products, wgmma (shipped) or mma.sync (test-only records
+# `<form>_sync`; A/B: bench/forms_ab.py walkmma).
+WALK_MMA = ("wgmma", "sync")
+
+
+def _walk_record(program: str):
+    """The record form of a fit-rule form (kda_fwd_tape under KDA_AOT_WALK_MMA=sync: `<form>_sync`)."""
+    mma = os.environ.get("KDA_AOT_WALK_MMA", WALK_MMA[0])
+    if mma not in WALK_MMA:
+        raise ValueError(f"KDA_AOT_WALK_MMA: expected one of {WALK_MMA}, got {mma!r}")
+    if mma == "sync" and program == "kda_fwd_tape":
+        return lambda form: form + "_sync"
+    return lambda form: form
+
+
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
                  pool=None) -> tuple:
     """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
@@ -93,10 +108,11 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     pool (default: the program's; walks that run at the same time need pools of their own).
     Returns the plan."""
     plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), knob)
+    record = _walk_record(program)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
-        registry.library(program, plan[0][0]).launch(desc, scale, stream_of(tensors["seg_chunks"]))
+        registry.library(program, record(plan[0][0])).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
     main = torch.cuda.current_stream(device)
     streams = _side_streams(device, len(plan), pool or program)
@@ -107,7 +123,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
             part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
             part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
             desc = {name: describe(x, name) for name, x in part.items()}
-            registry.library(program, form).launch(desc, scale, st.cuda_stream)
+            registry.library(program, record(form)).launch(desc, scale, st.cuda_stream)
     finally:  # joined even when a launch raises: queued runs may still read the caller's tensors
         for st in streams:
             main.wait_stream(st)

@@ -172,10 +172,15 @@ def test_chunk_forms_are_bitwise_equal(pack, gate):
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
 @pytest.mark.parametrize("form", ["split", "quarter"])
-def test_walk_forms_are_bitwise_equal(chains, H, form):
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+def test_walk_forms_are_bitwise_equal(chains, H, form, mma, monkeypatch):
     """The split form (two CTAs of 64 value columns) and the quarter form (four of 32) compute every
-    element as the full form does. Outputs poisoned first."""
-    require_form("kda_fwd_tape", form)
+    element as the full form does, with either kind of products (KDA_AOT_WALK_MMA). Outputs poisoned
+    first."""
+    monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
+    suffix = "_sync" if mma == "sync" else ""
+    require_form("kda_fwd_tape", "full" + suffix)
+    require_form("kda_fwd_tape", form + suffix)
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], H, "mild", rng(("forms", chains, H)), True)
     o1, h1, s1 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                                save_tape=True, tape_form="full")
@@ -192,9 +197,34 @@ def test_walk_forms_are_bitwise_equal(chains, H, form):
         assert o3 is None and s3["tape"] is None and torch.equal(h3, h1), offset_form
 
 
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5", "zero"])
+def test_sync_walk_matches_reference(pack, gate, monkeypatch):
+    """The mma.sync walk (test-only records kda_fwd_tape/*_sync) against the fp64 reference (same bound:
+    the same bf16 operands, another accumulation order inside the tensor cores than the shipped
+    wgmma walk), with H = 3 and an initial state, outputs poisoned."""
+    monkeypatch.setenv("KDA_AOT_WALK_MMA", "sync")
+    require_form("kda_fwd_tape", "full_sync")
+    q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("sync-walk", pack, gate)), True)
+    T, N = q.shape[1], cu.numel() - 1
+    out = {"o": torch.full((1, T, 3, 128), float("nan"), device="cuda", dtype=torch.bfloat16),
+           "final_state": torch.full((N, 3, 128, 128), float("nan"), device="cuda")}
+    o, ht, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, out=out,
+                             tape_form="full")
+    ro, rht = reference.kda_recurrent(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), cu_seqlens=cu.cpu(),
+                                      initial_state=h0.cpu(), output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    eo, eh = rel_rms(o.cpu(), ro), rel_rms(ht.cpu(), rht)
+    assert eo < REL and eh < REL, f"o {eo:.3e} state {eh:.3e} (seed {SEED})"
+
+
 @pytest.mark.parametrize("form", ["full", "split"])
-def test_walk_without_output_is_bitwise_the_same(form):
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+def test_walk_without_output_is_bitwise_the_same(form, mma, monkeypatch):
     """want_output=False (the replay's and the CP summaries' walk) skips the output stage only."""
+    monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
+    if mma == "sync":
+        require_form("kda_fwd_tape", form + "_sync")
     q, k, v, g, beta, cu, h0 = make(PACKS["edges"], 3, "rand", rng(("no-output", form)), True)
     a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
                       tape_form=form)
