@@ -12,7 +12,10 @@ KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=${PROGRAMS-kda_fwd_chunk,kda_fwd_tape,kd
 stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 if [ -n "${PROFILE-1}" ]; then
-  timeout 60 python3 bench/walk_profile.py > "$OUT/walk_profile.log" 2>&1; stamp "walk profile"; cat "$OUT/walk_profile.log"
+  for rec in full_prof ${PROFILE_MORE-full_vs_prof}; do
+    timeout 60 python3 bench/walk_profile.py --record $rec >> "$OUT/walk_profile.log" 2>&1; stamp "walk profile $rec"
+  done
+  cat "$OUT/walk_profile.log"
 fi
 if [ -n "${FWD_TESTS-}" ]; then  # the forward and backward GPU tests as shipped (sync walks)
   timeout ${TESTS_S:-150} python3 -m pytest -q -rs tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py > "$OUT/pytest.log" 2>&1
@@ -29,7 +32,7 @@ if [ -n "${WG_TESTS-1}" ]; then
   grep -E "Error|assert|FAILED" "$OUT/pytest_wgmma.log" | head -20
 fi
 if [ -n "${SWEEP-1}" ]; then
-  for mma in wgmma sync; do
+  for mma in wgmma sync vsplit; do
     KDA_AOT_WALK_MMA=$mma timeout 100 python3 bench/walk_sweep.py > "$OUT/walk_sweep_$mma.log" 2>&1
     stamp "walk sweep $mma"; cat "$OUT/walk_sweep_$mma.log"
   done

@@ -1,8 +1,9 @@
-"""Where a wgmma walk step's cycles go: the test-only record kda_fwd_tape/full_prof sums clock64
-per phase over the steps of CTA 0 and writes the means into the final state (warpgroup 0: elements
-0-9, warpgroup 1: 16-25). One launch per walk kind (output, output + tape, tape, bare), equal chains.
+"""Where a wgmma walk step's cycles go: the test-only record kda_fwd_tape/full_prof (the shipped
+walk; --record full_vs_prof: the column-half split) sums clock64 per phase over the steps of CTA 0
+and writes the means into the final state (warpgroup 0: elements 0-9, warpgroup 1: 16-25). One
+launch per walk kind (output, output + tape, tape, bare), equal chains.
 
-  python bench/walk_profile.py [--chunks 256] [--docs 4] [--heads 32]
+  python bench/walk_profile.py [--chunks 256] [--docs 4] [--heads 32] [--record full_prof]
 """
 import argparse
 
@@ -20,8 +21,9 @@ def main():
     ap.add_argument("--chunks", type=int, default=256)
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--record", default="full_prof", help="full_prof (shipped walk) or full_vs_prof (column halves)")
     args = ap.parse_args()
-    kda._walk_record = lambda program: (lambda form: "full_prof") if program == "kda_fwd_tape" else (lambda f: f)
+    kda._walk_record = lambda program: (lambda form: args.record) if program == "kda_fwd_tape" else (lambda f: f)
     q, k, v, g, beta, cu = inputs([CHUNK * args.chunks] * args.docs, args.heads)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     h0 = torch.randn(args.docs, args.heads, 128, 128, device="cuda")

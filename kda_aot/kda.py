@@ -84,19 +84,20 @@ def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
     return part
 
 
-# KDA_AOT_WALK_MMA: the forward walk's products, wgmma (shipped) or mma.sync (test-only records
-# `<form>_sync`; A/B: bench/forms_ab.py walkmma).
-WALK_MMA = ("wgmma", "sync")
+# KDA_AOT_WALK_MMA: the forward walk's products, wgmma (shipped), mma.sync (test-only records
+# `<form>_sync`) or wgmma with the warpgroups splitting every product by column halves (test-only
+# `<form>_vs`, not yet measured); A/B: bench/forms_ab.py walkmma.
+WALK_MMA = ("wgmma", "sync", "vsplit")
+_WALK_MMA_SUFFIX = {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}
 
 
 def _walk_record(program: str):
-    """The record form of a fit-rule form (kda_fwd_tape under KDA_AOT_WALK_MMA=sync: `<form>_sync`)."""
+    """The record form of a fit-rule form (kda_fwd_tape: `<form><suffix of KDA_AOT_WALK_MMA>`)."""
     mma = os.environ.get("KDA_AOT_WALK_MMA", WALK_MMA[0])
     if mma not in WALK_MMA:
         raise ValueError(f"KDA_AOT_WALK_MMA: expected one of {WALK_MMA}, got {mma!r}")
-    if mma == "sync" and program == "kda_fwd_tape":
-        return lambda form: form + "_sync"
-    return lambda form: form
+    suffix = _WALK_MMA_SUFFIX[mma] if program == "kda_fwd_tape" else ""
+    return lambda form: form + suffix
 
 
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,

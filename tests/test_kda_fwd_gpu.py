@@ -172,13 +172,13 @@ def test_chunk_forms_are_bitwise_equal(pack, gate):
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
 @pytest.mark.parametrize("form", ["split", "quarter"])
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+@pytest.mark.parametrize("mma", ["sync", "wgmma", "vsplit"])
 def test_walk_forms_are_bitwise_equal(chains, H, form, mma, monkeypatch):
     """The split form (two CTAs of 64 value columns) and the quarter form (four of 32) compute every
     element as the full form does, with either kind of products (KDA_AOT_WALK_MMA). Outputs poisoned
     first."""
     monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
-    suffix = "_sync" if mma == "sync" else ""
+    suffix = {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}[mma]
     require_form("kda_fwd_tape", "full" + suffix)
     require_form("kda_fwd_tape", form + suffix)
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], H, "mild", rng(("forms", chains, H)), True)
@@ -199,13 +199,14 @@ def test_walk_forms_are_bitwise_equal(chains, H, form, mma, monkeypatch):
 
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("gate", ["rand", "neg5", "zero"])
-def test_sync_walk_matches_reference(pack, gate, monkeypatch):
-    """The mma.sync walk (test-only records kda_fwd_tape/*_sync) against the fp64 reference (same bound:
-    the same bf16 operands, another accumulation order inside the tensor cores than the shipped
-    wgmma walk), with H = 3 and an initial state, outputs poisoned."""
-    monkeypatch.setenv("KDA_AOT_WALK_MMA", "sync")
-    require_form("kda_fwd_tape", "full_sync")
-    q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("sync-walk", pack, gate)), True)
+@pytest.mark.parametrize("mma", ["sync", "vsplit"])
+def test_test_only_walks_match_reference(pack, gate, mma, monkeypatch):
+    """The test-only walks against the fp64 reference (same bound: the same bf16 operands): mma.sync
+    (kda_fwd_tape/*_sync: another accumulation order inside the tensor cores than the shipped wgmma
+    walk) and the column-half split (*_vs), with H = 3 and an initial state, outputs poisoned."""
+    monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
+    require_form("kda_fwd_tape", "full" + {"sync": "_sync", "vsplit": "_vs"}[mma])
+    q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("test-only-walk", mma, pack, gate)), True)
     T, N = q.shape[1], cu.numel() - 1
     out = {"o": torch.full((1, T, 3, 128), float("nan"), device="cuda", dtype=torch.bfloat16),
            "final_state": torch.full((N, 3, 128, 128), float("nan"), device="cuda")}
@@ -219,12 +220,12 @@ def test_sync_walk_matches_reference(pack, gate, monkeypatch):
 
 
 @pytest.mark.parametrize("form", ["full", "split"])
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+@pytest.mark.parametrize("mma", ["sync", "wgmma", "vsplit"])
 def test_walk_without_output_is_bitwise_the_same(form, mma, monkeypatch):
     """want_output=False (the replay's and the CP summaries' walk) skips the output stage only."""
     monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
-    if mma == "sync":
-        require_form("kda_fwd_tape", form + "_sync")
+    if mma != "wgmma":
+        require_form("kda_fwd_tape", form + {"sync": "_sync", "vsplit": "_vs"}[mma])
     q, k, v, g, beta, cu, h0 = make(PACKS["edges"], 3, "rand", rng(("no-output", form)), True)
     a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
                       tape_form=form)

@@ -27,8 +27,9 @@ __host__ __device__ constexpr uint32_t wgmma_b_offset(int k, int n, int n_cols) 
 // Descriptor of the k16 slice starting at row k0 of a B tile at `tile` with `n_cols` columns:
 // leading byte offset = between the slice's two k-groups, stride byte offset = between n-adjacent
 // core matrices (CUTLASS make_gmma_desc<Major::MN>, INTERLEAVE).
-__device__ __forceinline__ uint64_t wgmma_b_desc(const void* tile, int k0, int n_cols) {
-  const uint32_t addr = smem_addr(tile) + static_cast<uint32_t>((k0 >> 3) * n_cols * 16);
+// With n0 (a multiple of 8): the slice's columns n0 .. (a column block of the same tile).
+__device__ __forceinline__ uint64_t wgmma_b_desc(const void* tile, int k0, int n_cols, int n0 = 0) {
+  const uint32_t addr = smem_addr(tile) + static_cast<uint32_t>((k0 >> 3) * n_cols * 16 + (n0 >> 3) * 128);
   uint64_t d = static_cast<uint64_t>((addr & 0x3FFFFu) >> 4);
   d |= static_cast<uint64_t>((n_cols * 16) >> 4) << 16;  // leading byte offset
   d |= static_cast<uint64_t>(128 >> 4) << 32;            // stride byte offset
@@ -58,6 +59,16 @@ __device__ __forceinline__ void wgmma_fence_acc(float (&d)[NT][4]) {
 // d[64 x 8 NT] += a[64 x 16] B[16 x 8 NT], B (MN-major) at descriptor `b`.
 template <int NT>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t b);
+
+template <>
+__device__ __forceinline__ void wgmma_bf16<2>(float (&d)[2][4], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 1;\n}\n"
+      : KDA_WG_D4(0), KDA_WG_D4(1)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
 
 template <>
 __device__ __forceinline__ void wgmma_bf16<4>(float (&d)[4][4], const uint32_t (&a)[4], uint64_t b) {
