@@ -2,8 +2,9 @@
 # Device call for the forward walk's products (wgmma shipped; mma.sync: KDA_AOT_WALK_MMA=sync, test-only
 # records *_sync): bench/walk_profile.py (cycles per phase of a wgmma step), optionally the forward and
 # backward tests (FWD_TESTS=1) and the chunk-form A/B (CHUNK_AB=packs), the GPU tests under
-# KDA_AOT_WALK_MMA=$WG_MMA (default wgmma; -x: stop at the first failure), the walk step sweep under both
-# product kinds, then bench/forms_ab.py walkmma on WALKMMA_PACKS (default Q1). Logs under $OUT.
+# KDA_AOT_WALK_MMA=$WG_MMA (default wgmma) and KDA_AOT_BWD_WALK_MMA=$BWD_MMA (default sync; -x: stop at
+# the first failure), the walk step sweep under each forward product kind, then bench/forms_ab.py
+# walkmma on WALKMMA_PACKS (default Q1). Logs under $OUT.
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
@@ -26,9 +27,9 @@ if [ -n "${CHUNK_AB-}" ]; then
   cat "$OUT/forms_ab_chunk.log"
 fi
 if [ -n "${WG_TESTS-1}" ]; then
-  KDA_AOT_WALK_MMA=${WG_MMA:-wgmma} timeout ${TESTS_S:-150} python3 -m pytest -x -q -rs ${TESTS_ARGS:-tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py} \
+  KDA_AOT_WALK_MMA=${WG_MMA:-wgmma} KDA_AOT_BWD_WALK_MMA=${BWD_MMA:-sync} timeout ${TESTS_S:-150} python3 -m pytest -x -q -rs ${TESTS_ARGS:-tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py} \
     > "$OUT/pytest_wgmma.log" 2>&1
-  stamp "tests (${WG_MMA:-wgmma} walks): $(tail -1 "$OUT/pytest_wgmma.log")"
+  stamp "tests (forward walk ${WG_MMA:-wgmma}, backward walk ${BWD_MMA:-sync}): $(tail -1 "$OUT/pytest_wgmma.log")"
   grep -E "Error|assert|FAILED" "$OUT/pytest_wgmma.log" | head -20
 fi
 if [ -n "${SWEEP-1}" ]; then

@@ -9,7 +9,8 @@
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
          walks' SMs) and in the plain order;
   walkmma: the forward and training steps (saved, replay) with the forward walk's products on
-         wgmma (shipped) and on mma.sync (KDA_AOT_WALK_MMA), and the forward walk alone (full form).
+         wgmma (shipped), mma.sync or column halves (KDA_AOT_WALK_MMA), and the forward walk alone
+         (full form); then the backward walk's products (KDA_AOT_BWD_WALK_MMA: sync, wgmma) so.
     python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|walkmma|all] [pack[,pack..]] [heads]
 """
 import os
@@ -119,7 +120,7 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
 
 
 def walkmma_ab(q, k, v, g, beta, cu, pack, H):
-    from kda_aot.kda import WALK_MMA, chunk_kda, chunk_kda_walk
+    from kda_aot.kda import BWD_WALK_MMA, WALK_MMA, chunk_kda, chunk_kda_walk
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu)
@@ -143,6 +144,28 @@ def walkmma_ab(q, k, v, g, beta, cu, pack, H):
         ms = interleaved({mma: arm(mma, mode) for mma in WALK_MMA}, iters=9 if mode in ("walk", "forward") else 7,
                          warmup=1)
         print(f"{pack} H={H} {mode}{' (full form)' if mode == 'walk' else ''}: "
+              + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
+    # the backward walk's products (KDA_AOT_BWD_WALK_MMA): the walk alone (full form) and the steps
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
+    dht = torch.randn(len(cu) - 1, H, 128, 128, device=q.device)
+
+    def bwd_arm(mma, mode):
+        def run():
+            os.environ["KDA_AOT_BWD_WALK_MMA"] = mma
+            try:
+                if mode == "bwd walk":
+                    chunk_kda_bwd_walk(saved, do, dht, tape_form="full")
+                else:
+                    for x in leaves:
+                        x.grad = None
+                    chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
+            finally:
+                del os.environ["KDA_AOT_BWD_WALK_MMA"]
+        return run
+    for mode in ("bwd walk", "saved", "replay"):
+        ms = interleaved({mma: bwd_arm(mma, mode) for mma in BWD_WALK_MMA}, iters=9 if mode == "bwd walk" else 7,
+                         warmup=1)
+        print(f"{pack} H={H} {mode}{' (full form)' if mode == 'bwd walk' else ' (bwd walk products)'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
 
 

@@ -157,16 +157,34 @@ RECORDS: tuple[Record, ...] = (
            select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `quarter` with mma.sync products",
            grid="(N segments, H, 4) CTAs of 256 threads", shipped=False),
     # The backward and the CP transfer walk: GPU tests passed (bench/NOTES.md, 2026-11-30), shipped.
-    Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1},
+    Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
+                                                        "wgmma": False},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks backwards, 128 value columns"),
-    Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2},
+    Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
+                                                        "wgmma": False},
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
-    Record(program="kda_bwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1},
+    Record(program="kda_bwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
+                                                        "wgmma": False},
            select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
+    # Written in session 7 after the device budget ran out, not yet run: the backward walk on wgmma
+    # (dS, dO, -dV' read from shared memory once per warpgroup; warpgroup g forms dV' for column half g
+    # and updates dS rows 64 g ..; two stages: the previous chunk's tiles issued during the products).
+    Record(program="kda_bwd_tape", form="full_wg", params={"threads": 256, "columns": 128, "stages": 2,
+                                                           "min_blocks": 1, "wgmma": True},
+           select="tests and benchmarks only (KDA_AOT_BWD_WALK_MMA=wgmma): `full` with wgmma products",
+           grid="as full", shipped=False),
+    Record(program="kda_bwd_tape", form="split_wg", params={"threads": 256, "columns": 64, "stages": 1,
+                                                            "min_blocks": 2, "wgmma": True},
+           select="tests and benchmarks only (KDA_AOT_BWD_WALK_MMA=wgmma): `split` with wgmma products",
+           grid="as split", shipped=False),
+    Record(program="kda_bwd_tape", form="quarter_wg", params={"threads": 256, "columns": 32, "stages": 2,
+                                                              "min_blocks": 1, "wgmma": True},
+           select="tests and benchmarks only (KDA_AOT_BWD_WALK_MMA=wgmma): `quarter` with wgmma products",
+           grid="as quarter", shipped=False),
     # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,
     # prefetch 15.40, wide 15.46; prefetch is bitwise equal to default (GPU tests), so it ships.
     Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},

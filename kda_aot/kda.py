@@ -84,20 +84,23 @@ def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
     return part
 
 
-# KDA_AOT_WALK_MMA: the forward walk's products, wgmma (shipped), mma.sync (test-only records
-# `<form>_sync`) or wgmma with the warpgroups splitting every product by column halves (test-only
-# `<form>_vs`, not yet measured); A/B: bench/forms_ab.py walkmma.
+# The walks' products, by knob: KDA_AOT_WALK_MMA (kda_fwd_tape): wgmma (shipped), mma.sync (test-only
+# records `<form>_sync`) or wgmma with the warpgroups splitting every product by column halves
+# (test-only `<form>_vs`, not yet measured); KDA_AOT_BWD_WALK_MMA (kda_bwd_tape): mma.sync (shipped)
+# or wgmma (test-only `<form>_wg`, not yet measured). A/B: bench/forms_ab.py walkmma.
 WALK_MMA = ("wgmma", "sync", "vsplit")
-_WALK_MMA_SUFFIX = {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}
+BWD_WALK_MMA = ("sync", "wgmma")
+_WALK_KNOBS = {"kda_fwd_tape": ("KDA_AOT_WALK_MMA", WALK_MMA, {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}),
+               "kda_bwd_tape": ("KDA_AOT_BWD_WALK_MMA", BWD_WALK_MMA, {"sync": "", "wgmma": "_wg"})}
 
 
 def _walk_record(program: str):
-    """The record form of a fit-rule form (kda_fwd_tape: `<form><suffix of KDA_AOT_WALK_MMA>`)."""
-    mma = os.environ.get("KDA_AOT_WALK_MMA", WALK_MMA[0])
-    if mma not in WALK_MMA:
-        raise ValueError(f"KDA_AOT_WALK_MMA: expected one of {WALK_MMA}, got {mma!r}")
-    suffix = _WALK_MMA_SUFFIX[mma] if program == "kda_fwd_tape" else ""
-    return lambda form: form + suffix
+    """The record form of a fit-rule form under the program's knob: `<form><suffix>`."""
+    env, values, suffixes = _WALK_KNOBS[program]
+    mma = os.environ.get(env, values[0])
+    if mma not in values:
+        raise ValueError(f"{env}: expected one of {values}, got {mma!r}")
+    return lambda form: form + suffixes[mma]
 
 
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
