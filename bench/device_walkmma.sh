@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device call for the forward walk's products (wgmma shipped; mma.sync: KDA_AOT_WALK_MMA=sync, test-only
-# records *_sync): bench/walk_profile.py (cycles per phase of a wgmma step), optionally the forward and
+# records *_sync): bench/walk_profile.py (cycles per phase of a wgmma step), optionally kernel timelines
+# (TIMELINE=pack: bench/timeline_kda.py, forward and replay step), the forward and
 # backward tests (FWD_TESTS=1) and the chunk-form A/B (CHUNK_AB=packs), the GPU tests under
 # KDA_AOT_WALK_MMA=$WG_MMA (default wgmma) and KDA_AOT_BWD_WALK_MMA=$BWD_MMA (default sync; -x: stop at
 # the first failure), the walk step sweep under each forward product kind, then bench/forms_ab.py
@@ -17,6 +18,12 @@ if [ -n "${PROFILE-1}" ]; then
     timeout 60 python3 bench/walk_profile.py --record $rec >> "$OUT/walk_profile.log" 2>&1; stamp "walk profile $rec"
   done
   cat "$OUT/walk_profile.log"
+fi
+if [ -n "${TIMELINE-}" ]; then  # kernel timelines of one call (pack $TIMELINE, H = 32): forward, replay step
+  for mode in forward replay; do
+    timeout 90 python3 bench/timeline_kda.py "$TIMELINE" 32 $mode --json "$OUT/timeline_$mode.json" \
+      > "$OUT/timeline_$mode.log" 2>&1; stamp "timeline $mode"; grep -v "^| [0-9]" "$OUT/timeline_$mode.log" | tail -4
+  done
 fi
 if [ -n "${FWD_TESTS-}" ]; then  # the forward and backward GPU tests as shipped (sync walks)
   timeout ${TESTS_S:-150} python3 -m pytest -q -rs tests/test_kda_fwd_gpu.py tests/test_kda_bwd_gpu.py > "$OUT/pytest.log" 2>&1
