@@ -1,7 +1,9 @@
 """Timing and result rows shared by the benchmarks.
 
 Latency = median of CUDA-event times over steady iterations; arms are interleaved (each
-iteration runs every arm once, in turn) so that clock and thermal drift hit all arms alike.
+iteration runs every arm once, in turn, the order reversed every other iteration) so that clock and
+thermal drift, and whatever an arm leaves behind for the next (caches, allocator state), hit all
+arms alike.
 Rows follow DESIGN.md §5 and go to bench/results/<suite>-<date>-<commit>.jsonl.
 """
 from __future__ import annotations
@@ -30,15 +32,24 @@ def commit() -> str:
         return "unknown"
 
 
+def round_order(names, round_index: int) -> list:
+    """The arms' order in interleaved round `round_index`: as given in even rounds, reversed in odd
+    ones, so that no arm always follows the same other arm (session 6: one CP row was 5 % slower in
+    one order and 1.9 % faster in the other)."""
+    names = list(names)
+    return names if round_index % 2 == 0 else names[::-1]
+
+
 def interleaved(arms: dict, iters: int = 20, warmup: int = 3) -> dict:
-    """{name: callable} -> {name: median ms}; every iteration times each arm once, in turn."""
+    """{name: callable} -> {name: median ms}; every iteration times each arm once (round_order)."""
     for _ in range(warmup):
         for fn in arms.values():
             fn()
     torch.cuda.synchronize()
     times = {name: [] for name in arms}
-    for _ in range(iters):
-        for name, fn in arms.items():
+    for i in range(iters):
+        for name in round_order(arms, i):
+            fn = arms[name]
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import cp
 from ..nn import PackedKDA
-from .common import row, with_env, with_walk_form, write_rows
+from .common import round_order, row, with_env, with_walk_form, write_rows
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
@@ -137,8 +137,9 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                 arms[("fla_kda_only", "B1")] = fla_b1
                 arms[("fla_kda_only", "B3")] = fla_b3
             times = {key: [] for key in arms}
-            for _ in range(iters):  # interleaved: each round times every arm once
-                for key, fn in arms.items():
+            for i in range(iters):  # interleaved: each round times every arm once, every other round reversed
+                for key in round_order(arms, i):
+                    fn = arms[key]
                     first = not times[key]
                     t_arm = time.monotonic()
                     times[key].append(slowest_rank_ms(fn, 1, warmup=2 if first else 0))
