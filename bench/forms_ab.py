@@ -19,7 +19,7 @@ import sys
 import torch
 
 from kda_aot import registry
-from kda_aot.bench.common import interleaved
+from kda_aot.bench.common import interleaved, with_env
 from kda_aot.bench.packs import PACKS
 from kda_aot.bench.single import inputs
 from kda_aot.kda import (BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_bwd_chunk,
@@ -69,17 +69,12 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
 
-    def step(overlap):
-        def run():
-            os.environ["KDA_AOT_REPLAY_OVERLAP"] = overlap
-            try:
-                for x in leaves:
-                    x.grad = None
-                chunk_kda(*leaves, cu_seqlens=cu, backward="replay")[0].backward(do)
-            finally:
-                del os.environ["KDA_AOT_REPLAY_OVERLAP"]
-        return run
-    ms = interleaved({"walks side by side": step("1"), "one after the other": step("0")}, iters=7, warmup=1)
+    def step():
+        for x in leaves:
+            x.grad = None
+        chunk_kda(*leaves, cu_seqlens=cu, backward="replay")[0].backward(do)
+    ms = interleaved({"walks side by side": with_env("KDA_AOT_REPLAY_OVERLAP", "1", step),
+                      "one after the other": with_env("KDA_AOT_REPLAY_OVERLAP", "0", step)}, iters=7, warmup=1)
     print(f"{pack} H={H} replay step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 
@@ -124,50 +119,28 @@ def walkmma_ab(q, k, v, g, beta, cu, pack, H):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu)
-
-    def arm(mma, mode):
-        def run():
-            os.environ["KDA_AOT_WALK_MMA"] = mma
-            try:
-                if mode == "walk":
-                    chunk_kda_walk(prepared, tape_form="full")
-                elif mode == "forward":
-                    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
-                else:
-                    for x in leaves:
-                        x.grad = None
-                    chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
-            finally:
-                del os.environ["KDA_AOT_WALK_MMA"]
-        return run
-    for mode in ("walk", "forward", "saved", "replay"):
-        ms = interleaved({mma: arm(mma, mode) for mma in WALK_MMA}, iters=9 if mode in ("walk", "forward") else 7,
-                         warmup=1)
-        print(f"{pack} H={H} {mode}{' (full form)' if mode == 'walk' else ''}: "
-              + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
-    # the backward walk's products (KDA_AOT_BWD_WALK_MMA): the walk alone (full form) and the steps
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     dht = torch.randn(len(cu) - 1, H, 128, 128, device=q.device)
 
-    def bwd_arm(mma, mode):
-        def run():
-            os.environ["KDA_AOT_BWD_WALK_MMA"] = mma
-            try:
-                if mode == "bwd walk":
-                    chunk_kda_bwd_walk(saved, do, dht, tape_form="full")
-                else:
-                    for x in leaves:
-                        x.grad = None
-                    chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
-            finally:
-                del os.environ["KDA_AOT_BWD_WALK_MMA"]
-        return run
-    for mode in ("bwd walk", "saved", "replay"):
-        ms = interleaved({mma: bwd_arm(mma, mode) for mma in BWD_WALK_MMA}, iters=9 if mode == "bwd walk" else 7,
-                         warmup=1)
-        print(f"{pack} H={H} {mode}{' (full form)' if mode == 'bwd walk' else ' (bwd walk products)'}: "
-              + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
+    def run(mode):
+        if mode == "walk":  # the forward walk alone, full form
+            chunk_kda_walk(prepared, tape_form="full")
+        elif mode == "bwd walk":  # the backward walk alone, full form
+            chunk_kda_bwd_walk(saved, do, dht, tape_form="full")
+        elif mode == "forward":
+            chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+        else:  # a training step, backward mode `mode`
+            for x in leaves:
+                x.grad = None
+            chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
 
+    for knob, kinds, modes in (("KDA_AOT_WALK_MMA", WALK_MMA, ("walk", "forward", "saved", "replay")),
+                               ("KDA_AOT_BWD_WALK_MMA", BWD_WALK_MMA, ("bwd walk", "saved", "replay"))):
+        for mode in modes:
+            ms = interleaved({mma: with_env(knob, mma, lambda mode=mode: run(mode)) for mma in kinds},
+                             iters=9 if mode in ("walk", "bwd walk", "forward") else 7, warmup=1)
+            print(f"{pack} H={H} {mode}{' (full form)' if 'walk' in mode else ''} [{knob}]: "
+                  + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
 
 if __name__ == "__main__":
     main()

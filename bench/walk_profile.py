@@ -23,7 +23,8 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--record", default="full_prof", help="full_prof (shipped walk) or full_vs_prof (column halves)")
     args = ap.parse_args()
-    kda._walk_record = lambda program: (lambda form: args.record) if program == "kda_fwd_tape" else (lambda f: f)
+    suffix = args.record.removeprefix("full")  # the walks below are planned full: `full` + suffix = the record
+    kda._walk_suffix = lambda program: suffix if program == "kda_fwd_tape" else ""
     q, k, v, g, beta, cu = inputs([CHUNK * args.chunks] * args.docs, args.heads)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     h0 = torch.randn(args.docs, args.heads, 128, 128, device="cuda")

@@ -94,13 +94,13 @@ _WALK_KNOBS = {"kda_fwd_tape": ("KDA_AOT_WALK_MMA", WALK_MMA, {"wgmma": "", "syn
                "kda_bwd_tape": ("KDA_AOT_BWD_WALK_MMA", BWD_WALK_MMA, {"sync": "", "wgmma": "_wg"})}
 
 
-def _walk_record(program: str):
-    """The record form of a fit-rule form under the program's knob: `<form><suffix>`."""
+def _walk_suffix(program: str) -> str:
+    """What the program's knob appends to a fit-rule form to name the record: `<form><suffix>`."""
     env, values, suffixes = _WALK_KNOBS[program]
     mma = os.environ.get(env, values[0])
     if mma not in values:
         raise ValueError(f"{env}: expected one of {values}, got {mma!r}")
-    return lambda form: form + suffixes[mma]
+    return suffixes[mma]
 
 
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
@@ -112,11 +112,11 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     pool (default: the program's; walks that run at the same time need pools of their own).
     Returns the plan."""
     plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), knob)
-    record = _walk_record(program)
+    suffix = _walk_suffix(program)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
-        registry.library(program, record(plan[0][0])).launch(desc, scale, stream_of(tensors["seg_chunks"]))
+        registry.library(program, plan[0][0] + suffix).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
     main = torch.cuda.current_stream(device)
     streams = _side_streams(device, len(plan), pool or program)
@@ -127,7 +127,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
             part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
             part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
             desc = {name: describe(x, name) for name, x in part.items()}
-            registry.library(program, record(form)).launch(desc, scale, st.cuda_stream)
+            registry.library(program, form + suffix).launch(desc, scale, st.cuda_stream)
     finally:  # joined even when a launch raises: queued runs may still read the caller's tensors
         for st in streams:
             main.wait_stream(st)

@@ -41,6 +41,10 @@ def require_form(program, form):
         pytest.skip(f"{program}/{form} not built (KDA_AOT_TEST_RECORDS=1): {e}")
 
 
+# kda_fwd_tape's record for a fit-rule form under KDA_AOT_WALK_MMA (codegen/catalog.py)
+FWD_WALK_SUFFIX = {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}
+
+
 def make(lens, H, gate, gen, init):
     T = sum(lens)
     dev = "cuda"
@@ -178,7 +182,7 @@ def test_walk_forms_are_bitwise_equal(chains, H, form, mma, monkeypatch):
     element as the full form does, with either kind of products (KDA_AOT_WALK_MMA). Outputs poisoned
     first."""
     monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
-    suffix = {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}[mma]
+    suffix = FWD_WALK_SUFFIX[mma]
     require_form("kda_fwd_tape", "full" + suffix)
     require_form("kda_fwd_tape", form + suffix)
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], H, "mild", rng(("forms", chains, H)), True)
@@ -205,7 +209,7 @@ def test_test_only_walks_match_reference(pack, gate, mma, monkeypatch):
     (kda_fwd_tape/*_sync: another accumulation order inside the tensor cores than the shipped wgmma
     walk) and the column-half split (*_vs), with H = 3 and an initial state, outputs poisoned."""
     monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
-    require_form("kda_fwd_tape", "full" + {"sync": "_sync", "vsplit": "_vs"}[mma])
+    require_form("kda_fwd_tape", "full" + FWD_WALK_SUFFIX[mma])
     q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("test-only-walk", mma, pack, gate)), True)
     T, N = q.shape[1], cu.numel() - 1
     out = {"o": torch.full((1, T, 3, 128), float("nan"), device="cuda", dtype=torch.bfloat16),
@@ -224,8 +228,8 @@ def test_test_only_walks_match_reference(pack, gate, mma, monkeypatch):
 def test_walk_without_output_is_bitwise_the_same(form, mma, monkeypatch):
     """want_output=False (the replay's and the CP summaries' walk) skips the output stage only."""
     monkeypatch.setenv("KDA_AOT_WALK_MMA", mma)
-    if mma != "wgmma":
-        require_form("kda_fwd_tape", form + {"sync": "_sync", "vsplit": "_vs"}[mma])
+    if mma != "wgmma":  # test-only records: skipped when not built (the shipped one must be there)
+        require_form("kda_fwd_tape", form + FWD_WALK_SUFFIX[mma])
     q, k, v, g, beta, cu, h0 = make(PACKS["edges"], 3, "rand", rng(("no-output", form)), True)
     a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
                       tape_form=form)

@@ -31,23 +31,6 @@ __device__ __forceinline__ void load_chunk_rows(__nv_bfloat16 (*dst)[kPitch], co
   }
 }
 
-// Store rows [0, len) of a warp's 16 x (8 NT) fp32 accumulator (NT n-tiles of 8 columns from col0)
-// as bf16 into a token-major [T, H, 128] tensor; the warp's rows are row0 .. row0 + 15 of the chunk.
-template <int NT>
-__device__ __forceinline__ void store_rows_bf16(uint16_t* dst, const float (&acc)[NT][4], int64_t t0, int row0,
-                                                int col0, int len, int64_t H, int64_t h) {
-  const int lane = threadIdx.x & 31, g8 = lane >> 2, tg = lane & 3;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = row0 + g8 + 8 * half;
-    if (r >= len) continue;
-    uint16_t* row = dst + ((t0 + r) * H + h) * kHeadDim + col0;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      *reinterpret_cast<uint32_t*>(row + nt * 8 + 2 * tg) = pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
-  }
-}
-
 template <int N>
 __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 #pragma unroll
