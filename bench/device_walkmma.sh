@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device call for the forward walk's products (wgmma shipped; mma.sync: KDA_AOT_WALK_MMA=sync, test-only
-# records *_sync): bench/walk_profile.py (cycles per phase of a wgmma step), optionally kernel timelines
+# records *_sync): optionally the chunk stage's phases (CHUNK_PROFILE=pack: bench/chunk_profile.py),
+# bench/walk_profile.py (cycles per phase of a wgmma step), optionally kernel timelines
 # (TIMELINE=pack: bench/timeline_kda.py, forward and replay step), the forward and
 # backward tests (FWD_TESTS=1) and the chunk-form A/B (CHUNK_AB=packs), the GPU tests under
 # KDA_AOT_WALK_MMA=$WG_MMA (default wgmma) and KDA_AOT_BWD_WALK_MMA=$BWD_MMA (default sync; -x: stop at
@@ -18,6 +19,10 @@ if [ -n "${PROFILE-1}" ]; then
     timeout 60 python3 bench/walk_profile.py --record $rec >> "$OUT/walk_profile.log" 2>&1; stamp "walk profile $rec"
   done
   cat "$OUT/walk_profile.log"
+fi
+if [ -n "${CHUNK_PROFILE-}" ]; then  # cycles per phase of the chunk stage (pack $CHUNK_PROFILE, H = 32)
+  timeout 60 python3 bench/chunk_profile.py "$CHUNK_PROFILE" 32 > "$OUT/chunk_profile.log" 2>&1; stamp "chunk profile"
+  cat "$OUT/chunk_profile.log"
 fi
 if [ -n "${TIMELINE-}" ]; then  # kernel timelines of one call (pack $TIMELINE, H = 32): forward, replay step
   for mode in forward replay; do

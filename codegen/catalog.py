@@ -76,17 +76,24 @@ RECORDS: tuple[Record, ...] = (
     # default 16.04 ms, balanced 14.14 (bitwise equal); session 6 balanced 13.96, lean 12.71 (fp64-checked,
     # saved == replay bitwise under it), so lean ships. Session 7: W, U and Aqk out through shared memory
     # 11.93 ms against 12.64 from the fragments (bitwise equal; the fragment path retired).
-    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True},
+    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True,
+                                                        "profile": False},
            select="always (the shipped form): balanced with Gamma in log2 units and the Akk/Aqk operands "
                   "as packed bf16 products (another rounding than balanced: fp64-checked, not bitwise)",
            grid="(n_chunks, H) CTAs of 256 threads; as balanced"),
-    Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True, "lean": False},
+    Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "balanced": True, "lean": True,
+                                                             "profile": True},
+           select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
+           grid="as lean", shipped=False),
+    Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True, "lean": False,
+                                                            "profile": False},
            select="tests and benchmarks only: Akk/Aqk tiles spread so no warp builds more than 32 operand "
                   "exps per lane and k-step, the diagonal forward substitution with its column in registers; "
                   "lean's schedule with fp32 operand products, checked bitwise against default",
            grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table",
            shipped=False),
-    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False, "lean": False},
+    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False, "lean": False,
+                                                           "profile": False},
            select="tests and benchmarks only: the first schedule (warp w builds the Akk/Aqk tiles of its own "
                   "rows), kept to check `balanced` bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
