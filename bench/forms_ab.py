@@ -8,10 +8,7 @@
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
          walks' SMs) and in the plain order;
-  walkmma: the forward and training steps (saved, replay) with the forward walk's products on
-         wgmma (shipped), mma.sync or column halves (KDA_AOT_WALK_MMA), and the forward walk alone
-         (full form); then the backward walk's products (KDA_AOT_BWD_WALK_MMA: sync, wgmma) so.
-    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|walkmma|all] [pack[,pack..]] [heads]
+    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
 import os
 import sys
@@ -56,8 +53,6 @@ def ab(what, pack, H):
         replay_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("pipeline", "all"):
         pipeline_ab(q, k, v, g, beta, cu, pack, H)
-    if what in ("walkmma", "all"):
-        walkmma_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("gate", "all"):
         forms = registry.built_forms("kda_bwd_gate", GATE_FORMS)
         ms = interleaved({f: (lambda f=f: chunk_kda_bwd(saved, do, gate_form=f)) for f in forms}, iters=7, warmup=1)
@@ -113,34 +108,6 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
         print(f"{pack} H={H} {mode}{'' if mode == 'forward' else ' step'}: "
               + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
-
-def walkmma_ab(q, k, v, g, beta, cu, pack, H):
-    from kda_aot.kda import BWD_WALK_MMA, WALK_MMA, chunk_kda, chunk_kda_walk
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
-    do = torch.randn_like(q)
-    prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu)
-    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
-    dht = torch.randn(len(cu) - 1, H, 128, 128, device=q.device)
-
-    def run(mode):
-        if mode == "walk":  # the forward walk alone, full form
-            chunk_kda_walk(prepared, tape_form="full")
-        elif mode == "bwd walk":  # the backward walk alone, full form
-            chunk_kda_bwd_walk(saved, do, dht, tape_form="full")
-        elif mode == "forward":
-            chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
-        else:  # a training step, backward mode `mode`
-            for x in leaves:
-                x.grad = None
-            chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
-
-    for knob, kinds, modes in (("KDA_AOT_WALK_MMA", WALK_MMA, ("walk", "forward", "saved", "replay")),
-                               ("KDA_AOT_BWD_WALK_MMA", BWD_WALK_MMA, ("bwd walk", "saved", "replay"))):
-        for mode in modes:
-            ms = interleaved({mma: with_env(knob, mma, lambda mode=mode: run(mode)) for mma in kinds},
-                             iters=9 if mode in ("walk", "bwd walk", "forward") else 7, warmup=1)
-            print(f"{pack} H={H} {mode}{' (full form)' if 'walk' in mode else ''} [{knob}]: "
-                  + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()), flush=True)
 
 if __name__ == "__main__":
     main()

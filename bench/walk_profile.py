@@ -1,15 +1,15 @@
-"""Where a wgmma walk step's cycles go: the test-only record kda_fwd_tape/full_prof (the shipped
-walk; --record full_vs_prof: the column-half split) sums clock64 per phase over the steps of CTA 0
-and writes the means into the final state (warpgroup 0: elements 0-9, warpgroup 1: 16-25). One
-launch per walk kind (output, output + tape, tape, bare), equal chains.
+"""Where a walk step's cycles go: the test-only record kda_fwd_tape/full_prof (the shipped full form)
+sums clock64 per phase over the steps of CTA 0 and writes the means into the final state
+(warpgroup 0: elements 0-9, warpgroup 1: 16-25). One launch per walk kind (output, output + tape,
+tape, bare), equal chains, planned full.
 
-  python bench/walk_profile.py [--chunks 256] [--docs 4] [--heads 32] [--record full_prof]
+  python bench/walk_profile.py [--chunks 256] [--docs 4] [--heads 32]
 """
 import argparse
 
 import torch
 
-from kda_aot import kda
+from kda_aot import registry
 from kda_aot.bench.single import inputs
 from kda_aot.kda import CHUNK, chunk_kda_prepare, chunk_kda_walk
 
@@ -21,10 +21,10 @@ def main():
     ap.add_argument("--chunks", type=int, default=256)
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--record", default="full_prof", help="full_prof (shipped walk) or full_vs_prof (column halves)")
     args = ap.parse_args()
-    suffix = args.record.removeprefix("full")  # the walks below are planned full: `full` + suffix = the record
-    kda._walk_suffix = lambda program: suffix if program == "kda_fwd_tape" else ""
+    library = registry.library  # the walks below are planned full: kda_fwd_tape/full -> full_prof
+    registry.library = lambda program, form="default": library(
+        program, "full_prof" if (program, form) == ("kda_fwd_tape", "full") else form)
     q, k, v, g, beta, cu = inputs([CHUNK * args.chunks] * args.docs, args.heads)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     h0 = torch.randn(args.docs, args.heads, 128, 128, device="cuda")

@@ -104,68 +104,40 @@ RECORDS: tuple[Record, ...] = (
     # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/fit.py,
     # kda_aot/fit_params.json) picks per launch.
     # Session 7: the forward walk's products on wgmma (S, V' read from shared memory once per warpgroup)
-    # and O out through shared memory in whole rows (bench/forms_ab.py walkmma, Q1 / Q2 / Q6, H = 32):
-    # full-form walk 8.65 -> 7.70, 12.62 -> 11.40, 17.05 -> 15.40 ms; forward 18.11 -> 17.40,
-    # 20.09 -> 18.77, 21.10 -> 20.84; saved step -1.5 / -2.6 / -0.2 %; replay step -1.6 / +3.7 / -1.7 %.
-    # The mma.sync walks stay as test-only records (KDA_AOT_WALK_MMA=sync).
+    # and O out through shared memory in whole rows (forms_ab.py walkmma then, Q1 / Q2 / Q6, H = 32):
+    # full-form walk 8.65 -> 7.70, 12.62 -> 11.40, 17.05 -> 15.40 ms (the mma.sync walks retired).
+    # Session 8 (forms_ab.py walkmma, retired with the test-only kinds): the full form with the warpgroups splitting every product by
+    # value-column halves 7.46 -> 6.79, 11.11 -> 10.06, 14.62 -> 13.27 ms (forward Q1 15.07 -> 14.85);
+    # the split form so was serialized by ptxas (registers at two CTAs per SM) and slower (Q6 forward
+    # 19.10 -> 19.63), so split and quarter keep the warpgroup roles. Every form of either kind computes
+    # every element bitwise the same (bench/NOTES.md, session 8; the forms tests check it).
     Record(program="kda_fwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
-                                                        "wgmma": True, "vsplit": False, "profile": False},
+                                                        "vsplit": True, "profile": False},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks (128 value columns), output "
-                "fused; warpgroup 0: W S and V', warpgroup 1: Q S and O, each its half of the state update"),
+                "fused; warpgroup g: W S, Q S, V', Aqk V' and O for value columns 64 g .., its state rows' update"),
     Record(program="kda_fwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
-                                                         "wgmma": True, "vsplit": False, "profile": False},
+                                                         "vsplit": False, "profile": False},
            select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
-           grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
+           grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM; warpgroup 0: "
+                "W S and V', warpgroup 1: Q S and O, each its half of the state update"),
     Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
-                                                           "wgmma": True, "vsplit": False, "profile": False},
+                                                           "vsplit": False, "profile": False},
            select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
-           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
+           grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each; warpgroup roles as split"),
     Record(program="kda_fwd_tape", form="full_prof", params={"threads": 256, "columns": 128, "stages": 2,
-                                                             "min_blocks": 1, "wgmma": True, "vsplit": False, "profile": True},
+                                                             "min_blocks": 1, "vsplit": True, "profile": True},
            select="bench/walk_profile.py only: `full` writing clock64 cycles per phase of a step",
            grid="as full", shipped=False),
-    # Written in session 7 after the device budget ran out, not yet run: the two warpgroups split
-    # every product and epilogue by value-column halves (V' and O were one warpgroup's: ~1.6 k and
-    # ~0.3 k of ~8.6 k cycles a step while the other waited; bench/walk_profile.py).
-    Record(program="kda_fwd_tape", form="full_vs", params={"threads": 256, "columns": 128, "stages": 2,
-                                                           "min_blocks": 1, "wgmma": True, "vsplit": True,
-                                                           "profile": False},
-           select="tests and benchmarks only (KDA_AOT_WALK_MMA=vsplit): `full` with the warpgroups splitting "
-                  "W S, Q S, V', Aqk V' and O by column halves",
-           grid="as full", shipped=False),
-    Record(program="kda_fwd_tape", form="split_vs", params={"threads": 256, "columns": 64, "stages": 1,
-                                                            "min_blocks": 2, "wgmma": True, "vsplit": True,
-                                                            "profile": False},
-           select="tests and benchmarks only (KDA_AOT_WALK_MMA=vsplit): `split` so",
-           grid="as split", shipped=False),
-    Record(program="kda_fwd_tape", form="quarter_vs", params={"threads": 256, "columns": 32, "stages": 2,
-                                                              "min_blocks": 1, "wgmma": True, "vsplit": True,
-                                                              "profile": False},
-           select="tests and benchmarks only (KDA_AOT_WALK_MMA=vsplit): `quarter` so",
-           grid="as quarter", shipped=False),
-    Record(program="kda_fwd_tape", form="full_vs_prof", params={"threads": 256, "columns": 128, "stages": 2,
-                                                                "min_blocks": 1, "wgmma": True, "vsplit": True,
-                                                                "profile": True},
-           select="bench/walk_profile.py only: `full_vs` writing clock64 cycles per phase of a step",
-           grid="as full", shipped=False),
-    Record(program="kda_fwd_tape", form="full_sync", params={"threads": 256, "columns": 128, "stages": 2,
-                                                             "min_blocks": 1, "wgmma": False, "vsplit": False, "profile": False},
-           select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `full` with mma.sync products (one warp "
-                  "per 16 chunk rows x half the columns)",
-           grid="(N segments, H) CTAs of 256 threads", shipped=False),
-    Record(program="kda_fwd_tape", form="split_sync", params={"threads": 256, "columns": 64, "stages": 1,
-                                                              "min_blocks": 2, "wgmma": False, "vsplit": False, "profile": False},
-           select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `split` with mma.sync products",
-           grid="(N segments, H, 2) CTAs of 256 threads", shipped=False),
-    Record(program="kda_fwd_tape", form="quarter_sync", params={"threads": 256, "columns": 32, "stages": 2,
-                                                                "min_blocks": 1, "wgmma": False, "vsplit": False, "profile": False},
-           select="tests and benchmarks only (KDA_AOT_WALK_MMA=sync): `quarter` with mma.sync products",
-           grid="(N segments, H, 4) CTAs of 256 threads", shipped=False),
-    # The backward and the CP transfer walk: GPU tests passed (bench/NOTES.md, 2026-11-30), shipped.
+    # The backward walk: full on wgmma since session 8 (dS, dO, -dV' read from shared memory once per
+    # warpgroup; warpgroup g forms dV' for column half g and updates dS rows 64 g ..; the previous
+    # chunk's tiles issued during the products): forms_ab.py walkmma then, the walk alone 9.07 -> 7.95
+    # (Q1), 13.33 -> 11.19 (Q2), 17.90 -> 15.10 ms (Q6). Its split form spilled at two CTAs per SM and
+    # the steps that pick split (Q2, Q6) ran 3 % slower with it: split and quarter stay on mma.sync.
+    # Bitwise equal across the kinds (bench/NOTES.md, session 8; the forms tests check it).
     Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
-                                                        "wgmma": False},
+                                                        "wgmma": True},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks backwards, 128 value columns"),
     Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
@@ -177,21 +149,6 @@ RECORDS: tuple[Record, ...] = (
            select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
-    # Written in session 7 after the device budget ran out, not yet run: the backward walk on wgmma
-    # (dS, dO, -dV' read from shared memory once per warpgroup; warpgroup g forms dV' for column half g
-    # and updates dS rows 64 g ..; two stages: the previous chunk's tiles issued during the products).
-    Record(program="kda_bwd_tape", form="full_wg", params={"threads": 256, "columns": 128, "stages": 2,
-                                                           "min_blocks": 1, "wgmma": True},
-           select="tests and benchmarks only (KDA_AOT_BWD_WALK_MMA=wgmma): `full` with wgmma products",
-           grid="as full", shipped=False),
-    Record(program="kda_bwd_tape", form="split_wg", params={"threads": 256, "columns": 64, "stages": 1,
-                                                            "min_blocks": 2, "wgmma": True},
-           select="tests and benchmarks only (KDA_AOT_BWD_WALK_MMA=wgmma): `split` with wgmma products",
-           grid="as split", shipped=False),
-    Record(program="kda_bwd_tape", form="quarter_wg", params={"threads": 256, "columns": 32, "stages": 2,
-                                                              "min_blocks": 1, "wgmma": True},
-           select="tests and benchmarks only (KDA_AOT_BWD_WALK_MMA=wgmma): `quarter` with wgmma products",
-           grid="as quarter", shipped=False),
     # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,
     # prefetch 15.40, wide 15.46; prefetch is bitwise equal to default (GPU tests), so it ships.
     Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},

@@ -84,25 +84,6 @@ def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
     return part
 
 
-# The walks' products, by knob: KDA_AOT_WALK_MMA (kda_fwd_tape): wgmma (shipped), mma.sync (test-only
-# records `<form>_sync`) or wgmma with the warpgroups splitting every product by column halves
-# (test-only `<form>_vs`, not yet measured); KDA_AOT_BWD_WALK_MMA (kda_bwd_tape): mma.sync (shipped)
-# or wgmma (test-only `<form>_wg`, not yet measured). A/B: bench/forms_ab.py walkmma.
-WALK_MMA = ("wgmma", "sync", "vsplit")
-BWD_WALK_MMA = ("sync", "wgmma")
-_WALK_KNOBS = {"kda_fwd_tape": ("KDA_AOT_WALK_MMA", WALK_MMA, {"wgmma": "", "sync": "_sync", "vsplit": "_vs"}),
-               "kda_bwd_tape": ("KDA_AOT_BWD_WALK_MMA", BWD_WALK_MMA, {"sync": "", "wgmma": "_wg"})}
-
-
-def _walk_suffix(program: str) -> str:
-    """What the program's knob appends to a fit-rule form to name the record: `<form><suffix>`."""
-    env, values, suffixes = _WALK_KNOBS[program]
-    mma = os.environ.get(env, values[0])
-    if mma not in values:
-        raise ValueError(f"{env}: expected one of {values}, got {mma!r}")
-    return suffixes[mma]
-
-
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
                  pool=None) -> tuple:
     """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
@@ -112,11 +93,10 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     pool (default: the program's; walks that run at the same time need pools of their own).
     Returns the plan."""
     plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), knob)
-    suffix = _walk_suffix(program)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
-        registry.library(program, plan[0][0] + suffix).launch(desc, scale, stream_of(tensors["seg_chunks"]))
+        registry.library(program, plan[0][0]).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
     main = torch.cuda.current_stream(device)
     streams = _side_streams(device, len(plan), pool or program)
@@ -127,7 +107,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
             part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
             part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
             desc = {name: describe(x, name) for name, x in part.items()}
-            registry.library(program, form + suffix).launch(desc, scale, st.cuda_stream)
+            registry.library(program, form).launch(desc, scale, st.cuda_stream)
     finally:  # joined even when a launch raises: queued runs may still read the caller's tensors
         for st in streams:
             main.wait_stream(st)

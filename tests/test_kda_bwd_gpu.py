@@ -19,12 +19,9 @@ pytestmark = gpu
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("gate", ["rand", "mild", "zero"])
 @pytest.mark.parametrize("dfinal", [False, True])
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
-def test_state_gradient_walk_matches_reference(pack, gate, dfinal, mma, monkeypatch):
-    """Shipped (mma.sync) and test-only (wgmma, kda_bwd_tape/*_wg: KDA_AOT_BWD_WALK_MMA) backward walks."""
-    monkeypatch.setenv("KDA_AOT_BWD_WALK_MMA", mma)
-    if mma == "wgmma":
-        require_form("kda_bwd_tape", "full_wg")
+@pytest.mark.parametrize("form", ["full", "split"])
+def test_state_gradient_walk_matches_reference(pack, gate, dfinal, form):
+    """The backward walk, full (wgmma products) and split (mma.sync), against the fp64 reference."""
     lens, H = PACKS[pack], 2
     q, k, v, g, beta, cu, h0 = make(lens, H, gate, rng(("bwd", pack, gate, dfinal)), True)
     T, N = q.shape[1], len(lens)
@@ -34,7 +31,7 @@ def test_state_gradient_walk_matches_reference(pack, gate, dfinal, mma, monkeypa
     C = saved["chunks"].shape[0]
     out = {"dtape": torch.full((C, H, 128, 128), float("nan"), device="cuda"),
            "dinitial_state": torch.full((N, H, 128, 128), float("nan"), device="cuda")}
-    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, out=out)
+    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, out=out, tape_form=form)
     assert torch.isfinite(dtape).all() and torch.isfinite(dh0).all(), "unwritten or non-finite outputs"
 
     cpu = [x.cpu() for x in (q, k, v, g, beta)]
@@ -186,11 +183,7 @@ def _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, mode):
     return [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
-def test_saved_and_replay_gradients_are_bitwise_equal_and_right(monkeypatch, mma):
-    monkeypatch.setenv("KDA_AOT_BWD_WALK_MMA", mma)
-    if mma == "wgmma":
-        require_form("kda_bwd_tape", "full_wg")
+def test_saved_and_replay_gradients_are_bitwise_equal_and_right():
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("modes"), True)
     T, N = q.shape[1], len(lens)
@@ -255,15 +248,10 @@ def test_gate_forms_match_shipped(form):
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
 @pytest.mark.parametrize("form", ["split", "quarter"])
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
-def test_bwd_walk_forms_are_bitwise_equal(chains, H, form, mma, monkeypatch):
+def test_bwd_walk_forms_are_bitwise_equal(chains, H, form):
     """kda_bwd_tape/split (two CTAs of 64 value columns) and /quarter (four of 32) compute every
-    element as `full` does, with either kind of products (KDA_AOT_BWD_WALK_MMA). Outputs poisoned
-    first."""
-    monkeypatch.setenv("KDA_AOT_BWD_WALK_MMA", mma)
-    suffix = "_wg" if mma == "wgmma" else ""
-    require_form("kda_bwd_tape", "full" + suffix)
-    require_form("kda_bwd_tape", form + suffix)
+    element as `full` does, though full's products run on wgmma and theirs on mma.sync: the fit rule
+    may pick any form for any launch. Outputs poisoned first."""
     lens = CHAIN_PACKS[chains]
     q, k, v, g, beta, cu, h0 = make(lens, H, "mild", rng(("bwd-forms", chains, H, form)), True)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
