@@ -183,7 +183,7 @@ def _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, mode):
     return [x.grad for x in leaves]
 
 
-def test_saved_and_replay_gradients_are_bitwise_equal_and_right():
+def test_saved_and_replay_gradients_are_bitwise_equal_and_right(monkeypatch):
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("modes"), True)
     T, N = q.shape[1], len(lens)
