@@ -185,6 +185,32 @@ def plan_pipeline(chain_lengths) -> tuple:
     return tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
 
 
+# The forward cuts the last group's segment (when it is one) into this many pieces of chunks: its
+# walk then starts once the first piece's chunk stage is done instead of the whole group's, and the
+# walk that runs alone at the end shrinks to about the last piece's chunk stage plus what is left of
+# the walk (Q1, H = 32, bench/timeline_kda.py, session 8: the last group's chunk stage 2.1 ms, then
+# its walk alone 1.9 ms on 32 of 132 SMs).
+LAST_GROUP_PIECES = 4
+MIN_PIECE_CHUNKS = 8
+
+
+def last_group_pieces(chain_lengths) -> list | None:
+    """The chunk bounds [c_0, .., c_P] of the pieces the pipelined forward cuts its last group's
+    segment into, or None (the last group holds several segments, or a segment too short to
+    cut: pieces of at least MIN_PIECE_CHUNKS chunks)."""
+    lengths = [int(n) for n in chain_lengths]
+    groups = plan_pipeline(lengths)
+    a, b = groups[-1]
+    if len(groups) < 2 or b - a != 1:
+        return None
+    n = lengths[a]
+    pieces = min(LAST_GROUP_PIECES, n // MIN_PIECE_CHUNKS)
+    if pieces < 2:
+        return None
+    first = sum(lengths[:a])
+    return [first + (n * p) // pieces for p in range(pieces + 1)]
+
+
 # The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/lean took
 # 12.71 ms for Q1's 3,907 chunks x 32 heads (session 6, bench/forms_ab.py chunk, bench/NOTES.md).
 CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102

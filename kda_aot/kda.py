@@ -223,10 +223,15 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      tape_form=tape_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
-    if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not q.is_cuda:
+    if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not _on_gpu(q):
         _launch_chunk_stage(prepared, chunk_form, initial_state)
         return chunk_kda_walk(prepared, out=out, **walk_args)
     return _fwd_pipelined(prepared, chunk_form, out, **walk_args)
+
+
+def _on_gpu(x) -> bool:
+    """Whether the pipelined order can run (side streams): tensors on the GPU."""
+    return x.is_cuda
 
 
 def _pipeline_on(pipeline=None) -> bool:
@@ -236,11 +241,14 @@ def _pipeline_on(pipeline=None) -> bool:
     return os.environ.get("KDA_AOT_PIPELINE", "1") == "1" if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group):
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, last_pieces=None):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. The side streams are joined back
+    walks run beside the chunk stage of the groups after it. last_pieces (the forward): the chunk
+    bounds (device int32) of the pieces the last group's one segment is cut into
+    (fit.last_group_pieces): its chunk stage a piece at a time, each followed by
+    launch_group(i, first, end, streams, piece) for that piece. The side streams are joined back
     into the current stream, also when a launch raises: queued work may still read the caller's
     tensors."""
     q = prepared["q"]
@@ -250,10 +258,16 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
     try:
         for i, (a, b) in enumerate(groups):
-            _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
-            for pool in streams:
-                pool[i].wait_stream(main)
-            launch_group(i, a, b, [pool[i] for pool in streams])
+            pieces = last_pieces if last_pieces is not None and i == len(groups) - 1 else None
+            bounds = [first_chunk[a], first_chunk[b]] if pieces is None else pieces[1]
+            for p in range(len(bounds) - 1):
+                _launch_chunk_stage(prepared, chunk_form, initial_state, bounds[p], bounds[p + 1])
+                for pool in streams:
+                    pool[i].wait_stream(main)
+                if pieces is None:
+                    launch_group(i, a, b, [pool[i] for pool in streams])
+                else:
+                    launch_group(i, a, b, [pool[i] for pool in streams], (p, pieces[0]))
     finally:
         for pool in streams:
             for side in pool:
@@ -272,19 +286,38 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                          output_final_state=output_final_state)
     sms = _sm_count(q.device)
     lengths = prepared["chain_lengths"]
+    # The last group's segment in pieces (its walk would otherwise start only once its whole chunk
+    # stage is done and then run alone: the tail of the forward): piece p's walk starts from piece
+    # p - 1's end state (fp32, stored and loaded exactly: bitwise the one walk).
+    bounds = fit.last_group_pieces(lengths)
+    pieces = None
+    if bounds is not None:
+        # from pinned memory: a pageable copy would hold the host until the queued chunk stage is done
+        piece_chunks = torch.tensor(bounds, dtype=torch.int32, pin_memory=q.device.type == "cuda")
+        piece_chunks = piece_chunks.to(q.device, non_blocking=True)
+        handoff = torch.empty(len(bounds) - 2, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+        pieces = (piece_chunks, bounds)
 
-    def walk(i, a, b, streams):
+    def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
+        view = segments_view(prepared, a, b)
+        h0 = None if initial_state is None else initial_state[a:b]
+        want_final = output_final_state
         if "final_state" in part:
             part["final_state"] = part["final_state"][a:b]
+        if piece is not None:
+            p, chunks = piece
+            view.update(seg_chunks=chunks[p:p + 2], chain_lengths=(bounds[p + 1] - bounds[p],))
+            if p > 0:
+                h0 = handoff[p - 1]
+            if p < len(bounds) - 2:
+                part["final_state"], want_final = handoff[p], True
         with torch.cuda.stream(streams[0]):
-            chunk_kda_walk(segments_view(prepared, a, b),
-                           initial_state=None if initial_state is None else initial_state[a:b],
-                           output_final_state=output_final_state, save_tape=save_tape, out=part,
+            chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape, out=part,
                            tape_form=tape_form, want_output=want_output,
                            sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i),
                            pool=f"kda_fwd_tape/pipeline{i}")
-    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk)
+    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None

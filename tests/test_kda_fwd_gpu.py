@@ -213,14 +213,19 @@ def nan_filled_allocator(nbytes=1 << 30):
     del x
 
 
-@pytest.mark.parametrize("chains", list(CHAIN_PACKS))
+# + a pack whose last pipeline group is one segment of 35 chunks: cut in four pieces (fit.last_group_pieces)
+PIPELINE_PACKS = dict(CHAIN_PACKS, pieces=[3000, 2200])
+
+
+@pytest.mark.parametrize("chains", list(PIPELINE_PACKS))
 @pytest.mark.parametrize("save_tape", [False, True])
 @pytest.mark.parametrize("init", [False, True])
 def test_pipelined_forward_is_bitwise_the_plain_one(chains, save_tape, init):
     """pipeline=True (the chunk stage a segment group at a time, each group's walk on a side stream
-    beside the later groups' chunk stage; 500 chains: 4 groups of 125 segments) writes every bit
-    the plain order writes: outputs poisoned, the chunk stage's outputs allocated over NaN."""
-    q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline", chains, save_tape, init)), init)
+    beside the later groups' chunk stage; 500 chains: 4 groups of 125 segments; `pieces`: the last
+    group's segment walked a piece at a time, each from the end state of the one before) writes every
+    bit the plain order writes: outputs poisoned, the chunk stage's outputs allocated over NaN."""
+    q, k, v, g, beta, cu, h0 = make(PIPELINE_PACKS[chains], 3, "rand", rng(("pipeline", chains, save_tape, init)), init)
     o1, h1, s1 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                                save_tape=save_tape, pipeline=False)
     out = {"o": poisoned(o1), "final_state": poisoned(h1)}

@@ -126,6 +126,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(kda, "stream_of", lambda x: 0)
     monkeypatch.setattr(kda.registry, "library", lambda program, form="default": _Library(program))
     monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kda, "_on_gpu", lambda x: True)  # the pipelined orders on the CPU stand-ins
     monkeypatch.setattr(kda, "_side_streams", lambda device, n, pool: [_Stream() for _ in range(n)])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
@@ -179,9 +180,13 @@ def test_every_replay_order_gives_the_same_bits(emulated, monkeypatch, lens, gat
             assert torch.equal(x, y), f"{name} {label}"
 
 
-def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch):
+@pytest.mark.parametrize("lens", [[40] * 30 + [900, 5], [64 * 60, 64 * 50 + 3, 64 * 40, 64 * 33 - 1], [3000, 2200]],
+                         ids=["32", "4-last-in-pieces", "2-last-in-pieces"])
+def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
+    """The pipelined forward, the last group's segment cut in pieces (fit.last_group_pieces; each
+    piece's walk starts from the end state of the one before), gives the plain order's bits."""
     _nan_empty(monkeypatch)
-    q, k, v, g, beta, cu, h0, _, _ = _inputs([40] * 30 + [900, 5], 2, SEED + 3)
+    q, k, v, g, beta, cu, h0, _, _ = _inputs(lens, 2, SEED + 3)
     a = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                           save_tape=True, pipeline=False)
     b = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
