@@ -57,6 +57,8 @@ def pack_tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> P
     """Validated boundaries (CPU or `device` tensor) -> the cached device tables for `device`."""
     bounds = tuple(check_cu_seqlens(cu_seqlens, total))
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: cuda:0 == it
+        device = torch.device("cuda", torch.cuda.current_device())
     if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens: on {cu_seqlens.device}; expected the CPU or {device}")
     return _tables(bounds, device)
