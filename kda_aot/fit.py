@@ -246,12 +246,14 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     chunks, 20 % of the chunk stage after it) forward 28.25 -> 23.29 ms on every SM; Q1's groups all
     on every SM 20.30 -> 23.44 ms (its walks start with 60, 28 and 12 % of the stage still to run:
     this rule keeps them restricted). The last group's walk runs after the chunk stage and gets
-    every SM."""
+    every SM - unless the forward cuts it in pieces (last_group_pieces): then its pieces' walks run
+    beside the earlier groups' walks and the later pieces' chunk stage, and get one SM per chain
+    (session 8, Q1-Q5 forward: every SM 13.78-15.77 ms, one per chain (forced full) 13.61-15.65)."""
     groups = plan_pipeline(chain_lengths)
     a, b = groups[group]
-    if group == len(groups) - 1:
-        return sms
     restricted = max(1, min(sms, heads * (b - a)))
+    if group == len(groups) - 1:
+        return restricted if walks_beside == 1 and last_group_pieces(chain_lengths) is not None else sms
     step = walk_step_us(program)
     if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
         return restricted

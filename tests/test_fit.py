@@ -151,15 +151,18 @@ def test_pipeline_groups():
 def test_pipelined_walk_sms():
     """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless it
     stays the critical path on every SM with the rest of the chunk stage slowed beside it (then all
-    SMs); the last group's on all. The packs' decisions are the ones measured (forms_ab pipeline)."""
+    SMs); the last group's on all, unless the forward walks it in pieces (one SM per chain then). The
+    packs' decisions are the ones measured (forms_ab pipeline; the pieces: bench/NOTES.md session 8)."""
     fit.pipelined_walk_sms.cache_clear()
     # many short documents, four groups: the chains outnumber the SMs anyway
     short = tuple([20] * 400)
     assert [fit.pipelined_walk_sms("kda_fwd_tape", short, 32, 132, i) for i in range(4)] == [132] * 4
     assert fit.pipelined_walk_sms("kda_fwd_tape", short, 1, 132, 0) == 100  # 100 chains of one head
-    # Q1 at 32 heads: every walk but the last restricted (20.30 ms forward; all on every SM: 23.44)
+    # Q1 at 32 heads: every walk restricted (20.30 ms forward; all on every SM: 23.44), the last one too
+    # since it runs in pieces beside the others (every SM 13.98 ms, one per chain 13.64)
     q1 = (1585, 641, 1216, 465)
-    assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 132]
+    assert fit.last_group_pieces(q1) == [3442, 3558, 3674, 3790, 3907]
+    assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
     # on half the SMs (not measured: the rule's arithmetic) the forward's third walk (1,216 chunks, 465
     # after it) stays critical on all 66 beside the lean chunk stage's rest
     assert [fit.pipelined_walk_sms(p, q1, 32, 66, i) for p in ("kda_fwd_tape", "kda_bwd_tape")
@@ -180,7 +183,8 @@ def test_pipelined_walk_sms():
     try:
         fit.pipelined_walk_sms.cache_clear()
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 32
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 132
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 32  # in pieces
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 1, 2) == 66  # the replay's: whole, every SM
     finally:
         fit.PIPELINE_CRITICAL_PATH = True
         fit.pipelined_walk_sms.cache_clear()
@@ -210,7 +214,7 @@ def test_pipeline_slowdown_by_walks_beside(monkeypatch):
     monkeypatch.setattr(fit, "CHUNK_STAGE_SLOWDOWN_BESIDE_WALK", {1: 1.7, 2: 3.4})
     fit.pipelined_walk_sms.cache_clear()
     try:
-        assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 132]
+        assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
         assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 66, i, 2) for i in range(4)] == [32, 32, 32, 66]
         assert fit.pipelined_walk_sms("kda_fwd_tape", q2, 32, 132, 0) == 132
         assert fit.pipelined_walk_sms("kda_fwd_tape", q2, 32, 66, 0, 2) == 32
