@@ -246,14 +246,18 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     chunks, 20 % of the chunk stage after it) forward 28.25 -> 23.29 ms on every SM; Q1's groups all
     on every SM 20.30 -> 23.44 ms (its walks start with 60, 28 and 12 % of the stage still to run:
     this rule keeps them restricted). The last group's walk runs after the chunk stage and gets
-    every SM - unless the forward cuts it in pieces (last_group_pieces): then its pieces' walks run
-    beside the earlier groups' walks and the later pieces' chunk stage, and get one SM per chain
-    (session 8, Q1-Q5 forward: every SM 13.78-15.77 ms, one per chain (forced full) 13.61-15.65)."""
+    every SM - unless the forward cuts it in pieces (last_group_pieces) and every earlier walk is
+    restricted: then its pieces' walks run beside those walks and the later pieces' chunk stage, and
+    get one SM per chain too (session 8, forward: Q1 13.98 -> 13.86 ms, Q5 14.70 -> 14.30; Q6, whose
+    first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM)."""
     groups = plan_pipeline(chain_lengths)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
     if group == len(groups) - 1:
-        return restricted if walks_beside == 1 and last_group_pieces(chain_lengths) is not None else sms
+        if walks_beside == 1 and last_group_pieces(chain_lengths) is not None and all(
+                pipelined_walk_sms(program, chain_lengths, heads, sms, g) < sms for g in range(group)):
+            return restricted
+        return sms
     step = walk_step_us(program)
     if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
         return restricted

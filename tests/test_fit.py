@@ -171,6 +171,7 @@ def test_pipelined_walk_sms():
     # gets every SM (quarter CTAs, 4 x 32 <= 132): 28.25 -> 23.29 ms forward
     q6 = (3125, 779)
     assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
+    assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 132  # in pieces, beside that walk
     fit._decide.cache_clear()
     assert fit.plan_walk("kda_fwd_tape", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs
@@ -183,7 +184,7 @@ def test_pipelined_walk_sms():
     try:
         fit.pipelined_walk_sms.cache_clear()
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 32
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 32  # in pieces
+        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 32  # in pieces, the others restricted
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 1, 2) == 66  # the replay's: whole, every SM
     finally:
         fit.PIPELINE_CRITICAL_PATH = True
