@@ -62,3 +62,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
             raise ValueError(f"{name}: must be strictly increasing (empty or negative document at index "
                              f"{i - 1}: {values[i - 1]} -> {values[i]})")
     return values
+
+
+def host_table_to(x: torch.Tensor, device) -> torch.Tensor:
+    """A small host table onto the GPU without waiting for the GPU: from pinned memory, non-blocking
+    (a pageable copy synchronises the host with the queued work, which then runs without the launches
+    queued behind it; the caching host allocator keeps the pinned buffer until the copy is done)."""
+    device = torch.device(device)
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)

@@ -17,7 +17,7 @@ import os
 import torch
 
 from . import fit, registry
-from ._tensor import describe, out_or, stream_of
+from ._tensor import describe, host_table_to, out_or, stream_of
 from .norm import l2norm
 from .packing import CHUNK, PackTables, pack_tables
 
@@ -292,9 +292,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     bounds = fit.last_group_pieces(lengths)
     pieces = None
     if bounds is not None:
-        # from pinned memory: a pageable copy would hold the host until the queued chunk stage is done
-        piece_chunks = torch.tensor(bounds, dtype=torch.int32, pin_memory=q.device.type == "cuda")
-        piece_chunks = piece_chunks.to(q.device, non_blocking=True)
+        piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
         handoff = torch.empty(len(bounds) - 2, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
         pieces = (piece_chunks, bounds)
 

@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import reference
+from .._tensor import host_table_to
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -152,10 +153,10 @@ class CudaBackend:
             for n in fit.piece_lengths(lengths[segment], planned[segment]):
                 bounds.append(bounds[-1] + n)
                 pieces.append(n)
-        sel = _to_device(torch.cat(rows), device)
+        sel = host_table_to(torch.cat(rows), device)
         view = dict(prepared, chunks=prepared["chunks"].index_select(0, sel),
                     gamma=prepared["gamma"].index_select(0, sel),
-                    seg_chunks=_to_device(torch.tensor(bounds, dtype=torch.int32), device),
+                    seg_chunks=host_table_to(torch.tensor(bounds, dtype=torch.int32), device),
                     chain_lengths=tuple(pieces))
         B = None
         if any(need_b for _, need_b in requests):
@@ -192,13 +193,6 @@ class CudaBackend:
         from ..kda import chunk_kda_bwd_walk
         return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                                   need_dtape=False)[1]  # the offset walk: no tape written
-
-
-def _to_device(x: torch.Tensor, device) -> torch.Tensor:
-    """A small host table onto the GPU without waiting for the GPU: from pinned memory, non-blocking
-    (a pageable copy synchronises the host with the queued work, which then runs without the launches
-    queued behind it; the caching host allocator keeps the pinned buffer until the copy is done)."""
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def get_backend(backend, dtype: Optional[torch.dtype] = None):
