@@ -75,7 +75,10 @@ RECORDS: tuple[Record, ...] = (
     # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): session 4
     # default 16.04 ms, balanced 14.14 (bitwise equal); session 6 balanced 13.96, lean 12.71 (fp64-checked,
     # saved == replay bitwise under it), so lean ships. Session 7: W, U and Aqk out through shared memory
-    # 11.93 ms against 12.64 from the fragments (bitwise equal; the fragment path retired).
+    # 11.93 ms against 12.64 from the fragments (bitwise equal; the fragment path retired). Session 8:
+    # lean's (I + L)^-1 on the tensor cores in 3xTF32 (off-diagonal blocks by doubling), its diagonal
+    # blocks by doubling from 8 x 8: 11.84 -> 9.11 ms (bench/chunk_profile.py; fp64-checked, balanced and
+    # default keep the CUDA-core inverse they are checked bitwise by).
     Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True,
                                                         "profile": False},
            select="always (the shipped form): balanced with Gamma in log2 units and the Akk/Aqk operands "
