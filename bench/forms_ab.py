@@ -1,5 +1,6 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
-  chunk: kda_fwd_chunk forms (CHUNK_FORMS: lean (shipped), balanced, default) timing chunk_kda_prepare;
+  chunk: kda_fwd_chunk forms (CHUNK_FORMS: lean (shipped), lean_early_gate, balanced, default) timing
+         chunk_kda_prepare;
   bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch, wide) timing chunk_kda_bwd_chunk;
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
          (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);

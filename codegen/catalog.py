@@ -80,23 +80,31 @@ RECORDS: tuple[Record, ...] = (
     # blocks by doubling from 8 x 8: 11.84 -> 9.11 ms (bench/chunk_profile.py; fp64-checked, balanced and
     # default keep the CUDA-core inverse they are checked bitwise by).
     Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True,
-                                                        "profile": False},
+                                                        "profile": False, "early_gate": False},
            select="always (the shipped form): balanced with Gamma in log2 units and the Akk/Aqk operands "
                   "as packed bf16 products (another rounding than balanced: fp64-checked, not bitwise)",
            grid="(n_chunks, H) CTAs of 256 threads; as balanced"),
     Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "balanced": True, "lean": True,
-                                                             "profile": True},
+                                                             "profile": True, "early_gate": False},
            select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
            grid="as lean", shipped=False),
+    # Written in session 8 after the device budget ran out, not yet run: the gate's tile waited for
+    # alone so that its running sum (~1.4 k of ~33 k cycles a CTA) overlaps the q, k, v copies;
+    # bitwise lean (the same arithmetic in the same order).
+    Record(program="kda_fwd_chunk", form="lean_early_gate", params={"threads": 256, "balanced": True, "lean": True,
+                                                                   "profile": False, "early_gate": True},
+           select="tests and benchmarks only (bench/forms_ab.py chunk): `lean` with the gate's tile in a "
+                  "commit group of its own, its running sum beside the q, k, v copies",
+           grid="as lean", shipped=False),
     Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True, "lean": False,
-                                                            "profile": False},
+                                                            "profile": False, "early_gate": False},
            select="tests and benchmarks only: Akk/Aqk tiles spread so no warp builds more than 32 operand "
                   "exps per lane and k-step, the diagonal forward substitution with its column in registers; "
                   "lean's schedule with fp32 operand products, checked bitwise against default",
            grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table",
            shipped=False),
     Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False, "lean": False,
-                                                           "profile": False},
+                                                           "profile": False, "early_gate": False},
            select="tests and benchmarks only: the first schedule (warp w builds the Akk/Aqk tiles of its own "
                   "rows), kept to check `balanced` bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",

@@ -116,7 +116,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
 
 # Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
 # test-only records measured against it (bench/forms_ab.py).
-CHUNK_FORMS = ("lean", "balanced", "default")                             # kda_fwd_chunk
+CHUNK_FORMS = ("lean", "lean_early_gate", "balanced", "default")          # kda_fwd_chunk
 BWD_CHUNK_FORMS = ("prefetch", "default", "wide")                         # kda_bwd_chunk
 GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")  # kda_bwd_gate
 

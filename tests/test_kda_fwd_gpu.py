@@ -169,6 +169,20 @@ def test_chunk_forms_are_bitwise_equal(pack, gate):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("gate", ["rand", "neg5"])
+def test_early_gate_chunk_form_is_bitwise_lean(pack, gate):
+    """kda_fwd_chunk/lean_early_gate (test-only: the gate's tile waited for alone, its running sum
+    beside the q, k, v copies) writes every output bit as the shipped lean does."""
+    from kda_aot.kda import chunk_kda_prepare
+    require_form("kda_fwd_chunk", "lean_early_gate")
+    q, k, v, g, beta, cu, _ = make(PACKS[pack], 5, gate, rng(("early-gate", pack, gate)), False)
+    a = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="lean")
+    b = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="lean_early_gate")
+    for name in ("w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(a[name], b[name]), name
+
+
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("H", [1, 32, 64])
 @pytest.mark.parametrize("form", ["split", "quarter"])
