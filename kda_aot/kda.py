@@ -548,21 +548,24 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, need_dtape=True):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
-    walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
-    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
-    chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
+    walk (tape, V') and, when `do` is given, backward walk (dtape, d_initial_state; need_dtape=False:
+    the offset walk, d_initial_state alone: context parallelism's D) on two side streams, planned on
+    half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining
+    the chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
     bound by the sum of its kernels' SM time, bench/NOTES.md.)"""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
-    _check_dout(do, q)
-    do = do.contiguous()  # once, not per group
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
     outs = _walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
-    dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
-    dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    walk = None
+    if do is not None:
+        _check_dout(do, q)
+        do = do.contiguous()  # once, not per group
+        walk = [torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32) if need_dtape else None,
+                torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)]
     half = max(1, _sm_count(q.device) // 2)
     lengths = prepared["chain_lengths"]
 
@@ -573,13 +576,17 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
                            out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
                            sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
                            pool=f"kda_fwd_tape/replay{i}")
+        if walk is None:
+            return
         with torch.cuda.stream(streams[1]):
-            chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
-                               out={"dtape": dtape, "dinitial_state": dh0[a:b]},
+            out = {"dinitial_state": walk[1][a:b]}
+            if need_dtape:
+                out["dtape"] = walk[0]
+            chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b], need_dtape=need_dtape, out=out,
                                sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
                                pool=f"kda_bwd_tape/replay{i}")
     _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
-    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
+    return dict(prepared, initial_state=h0, **outs), walk
 
 
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):

@@ -107,3 +107,22 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
         assert torch.equal(x, y)
     ctx_c, none = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, None)
     assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])
+
+
+def test_pipelined_replay_is_bitwise_prepare_then_replay():
+    """CudaBackend.replay_pipelined (KDA_AOT_CP_PIPELINE=1: the chunk stage a segment group at a time
+    beside the forward walk and the walk for D) against prepare() then replay(): D, the saved
+    context and the backward from it, bitwise; without D too."""
+    lens, H = [65, 1, 300, 700, 2300], 2
+    q, k, v, g, beta, cu, states = make(lens, H, "rand", rng("cp-replay-pipelined"), True)
+    cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
+    do, dfin = torch.randn_like(q), torch.randn_like(states)
+    ctx_a, d_a = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, dfin)
+    ctx_b, d_b = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, dfin)
+    assert torch.equal(d_a, d_b)
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(ctx_a[name], ctx_b[name]), name
+    for x, y in zip(cuda.backward(ctx_a, do, dfin), cuda.backward(ctx_b, do, dfin)):
+        assert torch.equal(x, y)
+    ctx_c, none = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, None)
+    assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])

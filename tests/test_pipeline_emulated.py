@@ -194,3 +194,27 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.isnan(b[0]).any()
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(a[2][name], b[2][name]), name
+
+
+@pytest.mark.parametrize("lens", [[300, 129], [1, 63, 64, 65, 130, 2], [40] * 30 + [900, 5]], ids=["2", "6", "32"])
+@pytest.mark.parametrize("want_d", [True, False])
+def test_cp_pipelined_replay_gives_the_plain_bits(emulated, monkeypatch, lens, want_d):
+    """The CUDA CP backend's replay_pipelined (KDA_AOT_CP_PIPELINE=1) against prepare() then replay():
+    the same saved context (the chunk stage's outputs the summaries and the backward read, tape, V')
+    and the same D, with entering states for every segment; then the same gradients."""
+    from kda_aot.cp.backends import CudaBackend
+    _nan_empty(monkeypatch)
+    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 2, SEED + 5)
+    backend, bounds = CudaBackend(), cu.tolist()
+    dfinals = dht if want_d else None
+    plain_ctx, plain_d = backend.replay(backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=True), h0, do, dfinals)
+    ctx, d = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, dfinals)
+    assert (d is None) == (plain_d is None) == (not want_d)
+    if want_d:
+        assert torch.equal(d, plain_d) and not torch.isnan(d).any()
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma", "chunks", "seg_chunks"):
+        assert not ctx[name].is_floating_point() or not torch.isnan(ctx[name]).any(), name
+        assert torch.equal(plain_ctx[name], ctx[name]), name
+    assert ctx["chain_lengths"] == plain_ctx["chain_lengths"]
+    for x, y in zip(backend.backward(plain_ctx, do, dht), backend.backward(ctx, do, dht)):
+        assert torch.equal(x, y)

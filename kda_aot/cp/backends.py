@@ -185,6 +185,19 @@ class CudaBackend:
                                   need_dtape=False)  # the offset walk: D alone
         return saved, (None if bwd is None else bwd[1])
 
+    def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
+                         do: torch.Tensor, dfinals):
+        """prepare() then replay() in the single-GPU replay's pipelined order (kda._replay_walks_pipelined):
+        the chunk stage a segment group at a time, each group's forward walk and D walk beside the
+        later groups' chunk stage. The same bits as prepare() then replay()."""
+        from ..kda import _replay_walks_pipelined
+        cu = torch.tensor(list(cu_local), dtype=torch.int32)
+        saved, walk = _replay_walks_pipelined(
+            q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
+            None if dfinals is None else do.to(torch.bfloat16).contiguous(),
+            None if dfinals is None else dfinals.to(torch.float32).contiguous(), need_dtape=False)
+        return saved, (None if walk is None else walk[1])
+
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())

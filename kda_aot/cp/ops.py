@@ -145,6 +145,13 @@ def _summaries(backend, prepared, local, frags, k, v, g, beta, need_b: bool) -> 
     return {f.index: _summary(backend, prepared, f, k, v, g, beta, need_b) for f in frags}
 
 
+def _pipeline_on() -> bool:
+    """KDA_AOT_CP_PIPELINE=1: a backend's pipelined replay (replay_pipelined: the chunk stage a segment
+    group at a time beside the walks, as on one GPU) in the replay backward. Off by default until
+    measured on the H200 (written in session 8 after the device budget ran out)."""
+    return os.environ.get("KDA_AOT_CP_PIPELINE", "0") == "1"
+
+
 def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):
     """The local forward with entering states (the rest of it when `prepared`)."""
     extra = {} if prepared is None else {"prepared": prepared}
@@ -240,14 +247,22 @@ class _ChunkKdaCP(torch.autograd.Function):
             if local:
                 # Replay: the same calls on the same values as the forward -> bitwise the same.
                 replay = getattr(backend, "replay", None)
+                replay_pipelined = getattr(backend, "replay_pipelined", None) if _pipeline_on() else None
                 with _Phase("bwd replay", q.device):
-                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
-                    if replay is not None and prepared is not None:
-                        # the forward walk and the walk for D side by side (the backend's choice)
-                        lctx, first_pass = replay(prepared, states, do, known if need_d else None)
+                    if replay_pipelined is not None:
+                        # the chunk stage and both walks pipelined; the saved context holds the chunk
+                        # stage's outputs, which the summaries below read
+                        lctx, first_pass = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale,
+                                                            states, do, known if need_d else None)
+                        prepared = lctx
                     else:
-                        _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
-                                              keep=True)
+                        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
+                        if replay is not None and prepared is not None:
+                            # the forward walk and the walk for D side by side (the backend's choice)
+                            lctx, first_pass = replay(prepared, states, do, known if need_d else None)
+                        else:
+                            _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
+                                                  keep=True)
                 with _Phase("bwd summary walks", q.device):
                     frags = [f for f in local if f.needs_state and not f.is_last]
                     M_local = {i: mb[0] for i, mb in
