@@ -241,16 +241,18 @@ def _pipeline_on(pipeline=None) -> bool:
     return os.environ.get("KDA_AOT_PIPELINE", "1") == "1" if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, last_pieces=None):
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, last_pieces=None,
+               before_join=None):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
     walks run beside the chunk stage of the groups after it. last_pieces (the forward): the chunk
     bounds (device int32) of the pieces the last group's one segment is cut into
     (fit.last_group_pieces): its chunk stage a piece at a time, each followed by
-    launch_group(i, first, end, streams, piece) for that piece. The side streams are joined back
-    into the current stream, also when a launch raises: queued work may still read the caller's
-    tensors."""
+    launch_group(i, first, end, streams, piece) for that piece. before_join(): called once every
+    launch is queued, before the side streams are joined (its launches on the current stream run
+    beside the walks). The side streams are joined back into the current stream, also when a launch
+    raises: queued work may still read the caller's tensors."""
     q = prepared["q"]
     groups = fit.plan_pipeline(prepared["chain_lengths"])
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
@@ -268,6 +270,8 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
                     launch_group(i, a, b, [pool[i] for pool in streams])
                 else:
                     launch_group(i, a, b, [pool[i] for pool in streams], (p, pieces[0]))
+        if before_join is not None:
+            before_join()
     finally:
         for pool in streams:
             for side in pool:
@@ -275,10 +279,14 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
 
 
 def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
-                   tape_form, want_output):
+                   tape_form, want_output, deferred=(), entering=None):
     """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
     the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
-    plain order: bitwise the same. The outputs are allocated before, on the current stream."""
+    plain order: bitwise the same. The outputs are allocated before, on the current stream.
+    deferred, entering (context parallelism, chunk_kda_fwd_deferred): the walks of the `deferred`
+    segments are left out of the groups; once the whole chunk stage is queued, entering(prepared)
+    gives their entering states (in `deferred`'s order, sorted) and they are walked from them on the
+    current stream, beside the other walks."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
@@ -289,7 +297,8 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     # The last group's segment in pieces (its walk would otherwise start only once its whole chunk
     # stage is done and then run alone: the tail of the forward): piece p's walk starts from piece
     # p - 1's end state (fp32, stored and loaded exactly: bitwise the one walk).
-    bounds = fit.last_group_pieces(lengths)
+    deferred = sorted(deferred)
+    bounds = None if deferred else fit.last_group_pieces(lengths)
     pieces = None
     if bounds is not None:
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
@@ -310,16 +319,71 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                 h0 = handoff[p - 1]
             if p < len(bounds) - 2:
                 part["final_state"], want_final = handoff[p], True
+        if deferred:  # the group's segments but the deferred ones, in runs of consecutive segments
+            with torch.cuda.stream(streams[0]):
+                for ra, rb in _runs_without(a, b, deferred):
+                    run = dict(part, final_state=full["final_state"][ra:rb])
+                    chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=initial_state[ra:rb],
+                                   output_final_state=True, save_tape=save_tape, out=run, tape_form=tape_form,
+                                   want_output=want_output,
+                                   sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i),
+                                   pool=f"kda_fwd_tape/pipeline{i}")
+            return
         with torch.cuda.stream(streams[0]):
             chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape, out=part,
                            tape_form=tape_form, want_output=want_output,
                            sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i),
                            pool=f"kda_fwd_tape/pipeline{i}")
-    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces)
+
+    def walk_deferred():
+        states = entering(prepared)  # launches of its own (CP summaries, exchange) on the current stream
+        if not deferred:
+            return
+        part = {name: x for name, x in full.items() if x is not None}
+        first = 0
+        for ra, rb in _runs_without(deferred[0], deferred[-1] + 1, set(range(len(lengths))) - set(deferred)):
+            n = rb - ra
+            chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[first:first + n],
+                           output_final_state=True, save_tape=save_tape,
+                           out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
+                           want_output=want_output, pool="kda_fwd_tape/deferred")
+            first += n
+    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces,
+               walk_deferred if entering is not None else None)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None
     return full["o"], full["final_state"], saved
+
+
+def _runs_without(first: int, end: int, left_out) -> list:
+    """[(a, b), ...]: the maximal runs of consecutive segments in [first, end) not in left_out."""
+    runs = []
+    for s in range(first, end):
+        if s in left_out:
+            continue
+        if runs and runs[-1][1] == s:
+            runs[-1][1] = s + 1
+        else:
+            runs.append([s, s + 1])
+    return [tuple(r) for r in runs]
+
+
+def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape):
+    """The pipelined forward (output and final states) for context parallelism: the chunk stage a
+    segment group at a time, the walks of the segments whose entering state is known here
+    (initial_state's rows; the `deferred` rows are not read) beside it; once the chunk stage is
+    queued, entering(prepared) - the summaries that read it and the exchange - returns the
+    deferred segments' entering states [len(deferred), H, 128, 128] fp32 (sorted order), and their
+    walks run beside the others. entering is called on every call (the exchange is collective).
+    Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
+    chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
+    o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
+                                     save_tape=save_tape, tape_form=None, want_output=True, deferred=deferred,
+                                     entering=entering)
+    saved["initial_state"] = None  # its deferred rows were placeholders (the backward reads the tape)
+    return o, final, saved
 
 
 def segments_view(prepared: dict, first: int, end: int) -> dict:

@@ -126,3 +126,29 @@ def test_pipelined_replay_is_bitwise_prepare_then_replay():
         assert torch.equal(x, y)
     ctx_c, none = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, None)
     assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])
+
+
+@pytest.mark.parametrize("deferred", [[0], [0, 3], []])
+def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred):
+    """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE=1: the walks of the segments whose entering
+    state is known beside the chunk stage, the deferred ones from what entering(prepared) returns
+    once it is queued) against prepare() then forward() with the same states: every output bitwise;
+    entering called once with the whole chunk stage."""
+    lens, H = [65, 1, 300, 700, 2300], 2
+    q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred))), True)
+    later = torch.randn_like(known)
+    cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
+    states = known.clone()
+    states[deferred] = later[deferred]
+    o_a, fin_a, ctx_a = cuda.forward(q, k, v, g, beta, cu_local, states, scale, keep=True,
+                                     prepared=cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True))
+    calls = []
+
+    def entering(prepared):
+        calls.append(prepared)
+        return later[deferred]
+    o_b, fin_b, ctx_b = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, True, known, deferred, entering)
+    assert len(calls) == 1
+    assert torch.equal(o_a, o_b) and torch.equal(fin_a, fin_b)
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(ctx_a[name], ctx_b[name]), name

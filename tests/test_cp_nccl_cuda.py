@@ -90,7 +90,7 @@ def results(name):
         cases += [{"kind": "op", "backend": "cuda", "name": f"per-fragment/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                    "modes": ["saved", "replay"], "env": PER_FRAGMENT} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
-        # the replay's chunk stage pipelined with its walks (KDA_AOT_CP_PIPELINE=1)
+        # the chunk stage pipelined with the walks, forward and replay (KDA_AOT_CP_PIPELINE=1)
         cases += [{"kind": "op", "backend": "cuda", "name": f"pipelined/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                    "modes": ["saved", "replay"], "env": {"KDA_AOT_CP_PIPELINE": "1"}}
@@ -116,7 +116,8 @@ def rel_rms(x, ref):
 def test_cuda_backend_matches_reference(layout, pack, summaries):
     """Both summary paths: batched (the default: all the rank's fragments in two launches, each
     fragment cut into pieces composed in fp32) and one per fragment (KDA_AOT_CP_BATCHED_SUMMARIES=0);
-    and the replay pipelined (KDA_AOT_CP_PIPELINE=1): saved and replay gradients bitwise equal there too."""
+    and the chunk stage pipelined with the walks (KDA_AOT_CP_PIPELINE=1): saved and replay gradients
+    bitwise equal there too."""
     res = results(f"{layout}/{pack}" if summaries == "batched" else f"{summaries}/{layout}/{pack}")
     G.check_modes_bitwise(res, f"cuda {summaries} {layout} {pack}")
     plan = cp.make_plan(G.cu_of(PACKS[pack]), layout, world_size=W, rank=0)

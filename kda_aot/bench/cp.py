@@ -28,7 +28,7 @@ LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
 BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops (default on)
 PER_FRAGMENT_ARM = "kda_aot/per_fragment"  # the knob off: one summary (two walk launches) per fragment
 PIPELINE_KNOB = "KDA_AOT_CP_PIPELINE"  # kda_aot.cp.ops (default off until measured)
-PIPELINED_ARM = "kda_aot/pipelined_replay"  # the knob on: the replay's chunk stage pipelined with its walks
+PIPELINED_ARM = "kda_aot/pipelined"  # the knob on: the chunk stage pipelined with the walks (forward, replay)
 NO_PLAN_ARM = "kda_aot/no_plan"  # one GPU, no CP plan (cu_seqlens): CP1's rows carry it as the single-device baseline
 
 
@@ -122,7 +122,8 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             if per_fragment:  # one summary per fragment against the batched summaries (the default)
                 arms[(PER_FRAGMENT_ARM, "B1")], arms[(PER_FRAGMENT_ARM, "B3")] = (with_env(BATCHED_KNOB, "0", b1),
                                                                                   with_env(BATCHED_KNOB, "0", b3))
-            if pipelined:  # the replay's chunk stage pipelined with its walks against the default
+            if pipelined:  # the chunk stage pipelined with the walks (forward and replay) against the default
+                arms[(PIPELINED_ARM, "B1")] = with_env(PIPELINE_KNOB, "1", b1)
                 arms[(PIPELINED_ARM, "B3")] = with_env(PIPELINE_KNOB, "1", b3)
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
@@ -186,9 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--per-fragment-summaries", action="store_true",
                    help=f"add the arm {PER_FRAGMENT_ARM} ({BATCHED_KNOB}=0: one summary per fragment instead of "
                         "every fragment's at once, in pieces)")
-    p.add_argument("--pipelined-replay", action="store_true",
-                   help=f"add the B3 arm {PIPELINED_ARM} ({PIPELINE_KNOB}=1: the replay's chunk stage pipelined "
-                        "with its walks)")
+    p.add_argument("--pipelined", action="store_true",
+                   help=f"add the arm {PIPELINED_ARM} ({PIPELINE_KNOB}=1: the chunk stage pipelined with the walks, "
+                        "forward and replay)")
     args = p.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
                    walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla,
-                   per_fragment=args.per_fragment_summaries, pipelined=args.pipelined_replay)
+                   per_fragment=args.per_fragment_summaries, pipelined=args.pipelined)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))

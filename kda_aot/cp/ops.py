@@ -146,9 +146,11 @@ def _summaries(backend, prepared, local, frags, k, v, g, beta, need_b: bool) -> 
 
 
 def _pipeline_on() -> bool:
-    """KDA_AOT_CP_PIPELINE=1: a backend's pipelined replay (replay_pipelined: the chunk stage a segment
-    group at a time beside the walks, as on one GPU) in the replay backward. Off by default until
-    measured on the H200 (written in session 8 after the device budget ran out)."""
+    """KDA_AOT_CP_PIPELINE=1: a backend's pipelined orders, as on one GPU (the chunk stage a segment
+    group at a time beside the walks): forward_pipelined in the forward (the walks of fragments that
+    start their document here beside the chunk stage, the summaries and the exchange) and
+    replay_pipelined in the replay backward. Off by default until measured on the H200 (written in
+    session 8 after the device budget ran out)."""
     return os.environ.get("KDA_AOT_CP_PIPELINE", "0") == "1"
 
 
@@ -165,41 +167,64 @@ class _ChunkKdaCP(torch.autograd.Function):
         H, K, V = q.shape[2], q.shape[3], v.shape[-1]
         sd = backend.state_dtype
         local = plan.local_fragments
+        keep = mode == "saved"
 
-        # 0. the local work that needs no entering state (a backend that can split it off), so
-        #    that it runs while this rank waits for the others' summaries.
-        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=(mode == "saved"))
-        # 1. what the others wait for: (M, B) of middle fragments, exit states of first ones.
-        items, M_local = {}, {}
-        with _Phase("fwd summary walks", q.device):
-            summaries = _summaries(backend, prepared, local, [f for f in local if not f.is_last], k, v, g, beta,
-                                   need_b=True)
-            for f in local:
-                if f.is_last:
-                    continue
-                M, B = summaries[f.index]
-                if f.needs_state:
-                    items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
-                    M_local[f.index] = M
-                else:
-                    S0 = None if initial_state is None else initial_state[f.doc]
-                    items[f.index] = exit_state(M, B, S0)
-        with _Phase("fwd exchange", q.device):
-            published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
+        def known_state(f):  # the entering state of a fragment that starts its document here
+            return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
+                    else initial_state[f.doc].to(sd))
 
-        # 2. entering states of the local fragments, then the local forward.
-        S_in = compose_entering_states(plan, published, H, K, V, local)
-        states = [S_in[f.index].to(q.device) if f.needs_state else
-                  (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
-                   else initial_state[f.doc].to(sd))
-                  for f in local]
+        def entering_states(prepared):
+            """Steps 1-2: what the others wait for ((M, B) of middle fragments, exit states of first
+            ones), the exchange, and the local fragments' entering states composed from it."""
+            items, M_local = {}, {}
+            with _Phase("fwd summary walks", q.device):
+                summaries = _summaries(backend, prepared, local, [f for f in local if not f.is_last], k, v, g, beta,
+                                       need_b=True)
+                for f in local:
+                    if f.is_last:
+                        continue
+                    M, B = summaries[f.index]
+                    if f.needs_state:
+                        items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
+                        M_local[f.index] = M
+                    else:
+                        S0 = None if initial_state is None else initial_state[f.doc]
+                        items[f.index] = exit_state(M, B, S0)
+            with _Phase("fwd exchange", q.device):
+                published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
+            return compose_entering_states(plan, published, H, K, V, local), M_local
+
+        pipelined = getattr(backend, "forward_pipelined", None) if _pipeline_on() and local else None
+        if pipelined is not None:
+            # 0-3 beside each other: the chunk stage a segment group at a time with the walks of the
+            # fragments whose entering state is known here; once it is queued, the summaries, the
+            # exchange, then the other fragments' walks (the backend's pipelined order)
+            got = {}
+
+            def entering(prepared):
+                got["S_in"], got["M_local"] = entering_states(prepared)
+                later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]
+                return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
+            with _Phase("fwd local", q.device):
+                o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
+                                            torch.stack([known_state(f) for f in local]),
+                                            [f.segment for f in local if f.needs_state], entering)
+            S_in, M_local = got["S_in"], got["M_local"]
+        else:
+            # 0. the local work that needs no entering state (a backend that can split it off), so
+            #    that it runs while this rank waits for the others' summaries.
+            prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep)
+            S_in, M_local = entering_states(prepared)
+
+        # 2. entering states of the local fragments, then (not pipelined) the local forward.
+        states = [S_in[f.index].to(q.device) if f.needs_state else known_state(f) for f in local]
         final = (torch.zeros(plan.num_docs, H, K, V, dtype=sd, device=q.device) if want_final
                  else torch.zeros(0, dtype=sd, device=q.device))
         if local:
             states = torch.stack(states)
-            with _Phase("fwd local", q.device):
-                o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
-                                           keep=(mode == "saved"))
+            if pipelined is None:
+                with _Phase("fwd local", q.device):
+                    o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale, keep=keep)
             if want_final:
                 for f in local:
                     if f.is_last:
