@@ -1,6 +1,6 @@
 """Where the chunk stage's cycles go: the test-only record kda_fwd_chunk/lean_prof (the shipped
 `lean` with clock64 stamps at its phase ends, as thread 0 sees them) writes each CTA's cycles per
-phase over gamma[c][h][0 .. 11]. Prints the mean and the 10th/90th percentiles over the CTAs of one
+phase over gamma[c][h][0 .. 13]. Prints the mean and the 10th/90th percentiles over the CTAs of one
 launch on the pack, and the launch time of `lean` beside it (CUDA events, median of 5).
 
   python bench/chunk_profile.py [pack] [heads]
@@ -13,8 +13,8 @@ from kda_aot import kda
 from kda_aot.bench.packs import PACKS
 from kda_aot.bench.single import inputs
 
-PHASES = ("load", "cumsum", "qg/kg out", "Akk/Aqk mma", "masks+bar", "Aqk out", "inverse", "T+bar",
-          "K e^G+bar", "W mma", "U mma+bar", "W/U out")
+PHASES = ("load", "cumsum", "qg/kg out", "Akk/Aqk mma", "masks+bar", "diag 8x8 | Aqk out", "diag X",
+          "diag M+bar", "inverse (tensor cores)", "T+bar", "K e^G+bar", "W mma", "U mma+bar", "W/U out")
 
 
 def main():
