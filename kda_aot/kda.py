@@ -307,6 +307,15 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
 
     def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
+        sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i)
+        if deferred:  # the group's segments but the deferred ones, in runs of consecutive segments
+            with torch.cuda.stream(streams[0]):
+                for ra, rb in _runs_without(a, b, deferred):
+                    chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=initial_state[ra:rb],
+                                   output_final_state=True, save_tape=save_tape,
+                                   out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
+                                   want_output=want_output, sm_count=sm_count, pool=f"kda_fwd_tape/pipeline{i}")
+            return
         view = segments_view(prepared, a, b)
         h0 = None if initial_state is None else initial_state[a:b]
         want_final = output_final_state
@@ -319,20 +328,9 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                 h0 = handoff[p - 1]
             if p < len(bounds) - 2:
                 part["final_state"], want_final = handoff[p], True
-        if deferred:  # the group's segments but the deferred ones, in runs of consecutive segments
-            with torch.cuda.stream(streams[0]):
-                for ra, rb in _runs_without(a, b, deferred):
-                    run = dict(part, final_state=full["final_state"][ra:rb])
-                    chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=initial_state[ra:rb],
-                                   output_final_state=True, save_tape=save_tape, out=run, tape_form=tape_form,
-                                   want_output=want_output,
-                                   sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i),
-                                   pool=f"kda_fwd_tape/pipeline{i}")
-            return
         with torch.cuda.stream(streams[0]):
             chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape, out=part,
-                           tape_form=tape_form, want_output=want_output,
-                           sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i),
+                           tape_form=tape_form, want_output=want_output, sm_count=sm_count,
                            pool=f"kda_fwd_tape/pipeline{i}")
 
     def walk_deferred():
