@@ -203,7 +203,8 @@ class _ChunkKdaCP(torch.autograd.Function):
 
             def entering(prepared):
                 got["S_in"], got["M_local"] = entering_states(prepared)
-                later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]
+                later = [got["S_in"][f.index].to(q.device)  # in segment order, as the backend walks them
+                         for f in sorted(local, key=lambda f: f.segment) if f.needs_state]
                 return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
             with _Phase("fwd local", q.device):
                 o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
