@@ -13,7 +13,7 @@
 # NCCL_TESTS=1: tests/test_cp_nccl_cuda.py first (both GPUs).
 # EXTRA_A / EXTRA_B: a shell command run first on GPU 0 / GPU 1 (e.g. "python3 bench/walk_sweep.py"; SAN=1:
 # compute-sanitizer memcheck + racecheck of bench/sanitize_kda.py on GPU 1 first, test-only forms built).
-# Defaults: CP2_PACKS=all CP2_S=340 H64_S=90 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
+# Defaults: CP2_PACKS=all CP2_S=340 H64_S=150 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
 # CP2_ARGS passes more arguments to the CP2 benchmark (e.g. "--layouts zigzag --no-fla").
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -69,7 +69,7 @@ fi
       --out "$W/single" > "$W/single_a.log" 2>&1; stamp "A: single $SINGLE_A rc $?"
   fi
   if [ "$H64" = 1 ]; then
-    timeout $(cap ${H64_S:-90}) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
+    timeout $(cap ${H64_S:-150}) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
       ${H64_ARGS:-} --out "$W/h64" > "$W/h64.log" 2>&1; stamp "A: single H=64 rc $?"
   fi
 ) &
