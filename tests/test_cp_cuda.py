@@ -152,3 +152,24 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred):
     assert torch.equal(o_a, o_b) and torch.equal(fin_a, fin_b)
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name
+
+
+def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward():
+    """The CP replay backward under KDA_AOT_CP_PIPELINE=1 (replay_pipelined(full_walk=True): the backward
+    walk with its tape from the exit-state gradients known locally, then rewalk() of the segments whose
+    gradient arrives from other ranks, then backward(walk=)) against replay() then backward() with
+    the true gradients: D and every gradient bitwise."""
+    lens, H = [65, 1, 300, 700, 2300], 2
+    q, k, v, g, beta, cu, states = make(lens, H, "rand", rng("cp-rewalk"), True)
+    cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
+    do, true = torch.randn_like(q), torch.randn_like(states)
+    remote = [0, 3]
+    known = true.clone()
+    known[remote] = 0
+    ctx_a, d_a = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, known)
+    grads_a = cuda.backward(ctx_a, do, true)
+    ctx_b, walk = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known, full_walk=True)
+    assert torch.equal(walk[1], d_a)
+    cuda.rewalk(ctx_b, do, true, remote, walk)
+    for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk)):
+        assert torch.equal(x, y)

@@ -252,3 +252,28 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
     if keep:
         for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
             assert torch.equal(plain[2][name], got[2][name]), name
+
+
+@pytest.mark.parametrize("lens,remote", [([300, 129], [0]), ([1, 63, 64, 65, 130, 2], [0, 2, 3]),
+                                         ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], [])],
+                         ids=["2", "6", "32-long", "32-none"])
+def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote):
+    """The CP replay backward under KDA_AOT_CP_PIPELINE=1: the backward walk in full during the replay
+    from the exit-state gradients known locally (zero for the `remote` segments), D from it; then the
+    remote segments walked again with their true gradients (rewalk) and the backward on that walk.
+    Against replay() (D from the offset walk) then backward() with the true gradients: D and every
+    gradient bitwise."""
+    from kda_aot.cp.backends import CudaBackend
+    _nan_empty(monkeypatch)
+    q, k, v, g, beta, cu, h0, do, true = _inputs(lens, 2, SEED + 9)
+    backend, bounds = CudaBackend(), cu.tolist()
+    known = true.clone()
+    known[remote] = 0
+    ctx_a, d_a = backend.replay(backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=True), h0, do, known)
+    grads_a = backend.backward(ctx_a, do, true)
+    ctx_b, walk = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, known, full_walk=True)
+    assert torch.equal(walk[1], d_a)
+    backend.rewalk(ctx_b, do, true, remote, walk)
+    grads_b = backend.backward(ctx_b, do, true, walk=walk)
+    for x, y in zip(grads_a, grads_b):
+        assert not torch.isnan(y).any() and torch.equal(x, y)

@@ -201,21 +201,35 @@ class CudaBackend:
         return o, finals, (saved if keep else None)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
-                         do: torch.Tensor, dfinals):
+                         do: torch.Tensor, dfinals, full_walk: bool = False):
         """prepare() then replay() in the single-GPU replay's pipelined order (kda._replay_walks_pipelined):
         the chunk stage a segment group at a time, each group's forward walk and D walk beside the
-        later groups' chunk stage. The same bits as prepare() then replay()."""
+        later groups' chunk stage. The same bits as prepare() then replay(). full_walk: the backward
+        walk writes its tape too and the second result is [dtape, D] (rewalk() and backward(walk=)
+        finish it: the segments whose exit-state gradient was known here are not walked again)."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         saved, walk = _replay_walks_pipelined(
             q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
             None if dfinals is None else do.to(torch.bfloat16).contiguous(),
-            None if dfinals is None else dfinals.to(torch.float32).contiguous(), need_dtape=False)
-        return saved, (None if walk is None else walk[1])
+            None if dfinals is None else dfinals.to(torch.float32).contiguous(), need_dtape=full_walk)
+        return saved, (walk if full_walk or walk is None else walk[1])
 
-    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
+    def rewalk(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, segments: Sequence[int], walk: list):
+        """The backward walk again over `segments` (their exit-state gradients now known: dfinals' rows),
+        into walk = [dtape, d_initial_state] in place (their rows), in runs of consecutive segments."""
+        from ..kda import _runs_without, chunk_kda_bwd_walk, segments_view
+        n = len(ctx["chain_lengths"])
+        do, dfinals = do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous()
+        for a, b in _runs_without(0, n, set(range(n)) - set(segments)):
+            chunk_kda_bwd_walk(segments_view(ctx, a, b), do, dfinals[a:b],
+                               out={"dtape": walk[0], "dinitial_state": walk[1][a:b]})
+
+    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None):
+        """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already."""
         from ..kda import chunk_kda_bwd
-        return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())
+        return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
+                             walk=walk)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd_walk

@@ -149,8 +149,10 @@ def _pipeline_on() -> bool:
     """KDA_AOT_CP_PIPELINE=1: a backend's pipelined orders, as on one GPU (the chunk stage a segment
     group at a time beside the walks): forward_pipelined in the forward (the walks of fragments that
     start their document here beside the chunk stage, the summaries and the exchange) and
-    replay_pipelined in the replay backward. Off by default until measured on the H200 (written in
-    session 8 after the device budget ran out)."""
+    replay_pipelined in the replay backward, whose backward walk runs in full there for the fragments
+    that end their document (their exit-state gradient is known: no second walk; rewalk for the
+    others). Off by default until measured on the H200 (written in session 8 after the device budget
+    ran out)."""
     return os.environ.get("KDA_AOT_CP_PIPELINE", "0") == "1"
 
 
@@ -266,7 +268,7 @@ class _ChunkKdaCP(torch.autograd.Function):
                 if f.is_last:
                     known[f.segment] = dfinal[f.doc].to(sd)
         need_d = any(f.needs_state for f in local)
-        first_pass = None
+        first_pass = walk = None
         if mode != "saved":
             q, k, v, g, beta, states = ctx.saved_tensors
             lctx, M_local = None, {}
@@ -276,11 +278,13 @@ class _ChunkKdaCP(torch.autograd.Function):
                 replay_pipelined = getattr(backend, "replay_pipelined", None) if _pipeline_on() else None
                 with _Phase("bwd replay", q.device):
                     if replay_pipelined is not None:
-                        # the chunk stage and both walks pipelined; the saved context holds the chunk
-                        # stage's outputs, which the summaries below read
-                        lctx, first_pass = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale,
-                                                            states, do, known if need_d else None)
-                        prepared = lctx
+                        # the chunk stage and both walks pipelined, the backward walk in full (its tape
+                        # too) from the exit-state gradients known here: the fragments that end their
+                        # document are done with it, the others walk again once theirs arrive (rewalk);
+                        # the saved context holds the chunk stage's outputs, which the summaries read
+                        lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
+                                                      do, known, full_walk=True)
+                        first_pass, prepared = walk[1], lctx
                     else:
                         prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
                         if replay is not None and prepared is not None:
@@ -323,7 +327,11 @@ class _ChunkKdaCP(torch.autograd.Function):
             if not f.is_last:
                 true[f.segment] = dS_out[f.index].to(device)
         with _Phase("bwd local", device):
-            final_pass = backend.backward(lctx, do, true)
+            if walk is not None:
+                backend.rewalk(lctx, do, true, [f.segment for f in local if not f.is_last], walk)
+                final_pass = backend.backward(lctx, do, true, walk=walk)
+            else:
+                final_pass = backend.backward(lctx, do, true)
         grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
         dh0 = None
         if has_h0:
