@@ -310,7 +310,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
         sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i)
         if deferred:  # the group's segments but the deferred ones, in runs of consecutive segments
             with torch.cuda.stream(streams[0]):
-                for ra, rb in _runs_without(a, b, deferred):
+                for ra, rb in segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)):
                     chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=initial_state[ra:rb],
                                    output_final_state=True, save_tape=save_tape,
                                    out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
@@ -339,7 +339,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
             return
         part = {name: x for name, x in full.items() if x is not None}
         first = 0
-        for ra, rb in _runs_without(deferred[0], deferred[-1] + 1, set(range(len(lengths))) - set(deferred)):
+        for ra, rb in segment_runs(set(deferred), len(lengths)):
             n = rb - ra
             chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[first:first + n],
                            output_final_state=True, save_tape=save_tape,
@@ -354,17 +354,9 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     return full["o"], full["final_state"], saved
 
 
-def _runs_without(first: int, end: int, left_out) -> list:
-    """[(a, b), ...]: the maximal runs of consecutive segments in [first, end) not in left_out."""
-    runs = []
-    for s in range(first, end):
-        if s in left_out:
-            continue
-        if runs and runs[-1][1] == s:
-            runs[-1][1] = s + 1
-        else:
-            runs.append([s, s + 1])
-    return [tuple(r) for r in runs]
+def segment_runs(segments, n: int) -> list:
+    """[(a, b), ...]: the maximal runs of consecutive segments of `segments` (a set of 0 .. n - 1)."""
+    return [(a, b) for inside, a, b in fit.runs_of([s in segments for s in range(n)]) if inside]
 
 
 def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape):
@@ -610,24 +602,21 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, need_dtape=True):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
-    walk (tape, V') and, when `do` is given, backward walk (dtape, d_initial_state; need_dtape=False:
-    the offset walk, d_initial_state alone: context parallelism's D) on two side streams, planned on
-    half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining
-    the chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
+    walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
+    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
+    chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
     bound by the sum of its kernels' SM time, bench/NOTES.md.)"""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
+    _check_dout(do, q)
+    do = do.contiguous()  # once, not per group
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
     outs = _walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
-    walk = None
-    if do is not None:
-        _check_dout(do, q)
-        do = do.contiguous()  # once, not per group
-        walk = [torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32) if need_dtape else None,
-                torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)]
+    dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     half = max(1, _sm_count(q.device) // 2)
     lengths = prepared["chain_lengths"]
 
@@ -638,17 +627,13 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ne
                            out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
                            sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
                            pool=f"kda_fwd_tape/replay{i}")
-        if walk is None:
-            return
         with torch.cuda.stream(streams[1]):
-            out = {"dinitial_state": walk[1][a:b]}
-            if need_dtape:
-                out["dtape"] = walk[0]
-            chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b], need_dtape=need_dtape, out=out,
+            chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
+                               out={"dtape": dtape, "dinitial_state": dh0[a:b]},
                                sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
                                pool=f"kda_bwd_tape/replay{i}")
     _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
-    return dict(prepared, initial_state=h0, **outs), walk
+    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 
 def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):

@@ -109,25 +109,6 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
     assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])
 
 
-def test_pipelined_replay_is_bitwise_prepare_then_replay():
-    """CudaBackend.replay_pipelined (KDA_AOT_CP_PIPELINE=1: the chunk stage a segment group at a time
-    beside the forward walk and the walk for D) against prepare() then replay(): D, the saved
-    context and the backward from it, bitwise; without D too."""
-    lens, H = [65, 1, 300, 700, 2300], 2
-    q, k, v, g, beta, cu, states = make(lens, H, "rand", rng("cp-replay-pipelined"), True)
-    cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
-    do, dfin = torch.randn_like(q), torch.randn_like(states)
-    ctx_a, d_a = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, dfin)
-    ctx_b, d_b = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, dfin)
-    assert torch.equal(d_a, d_b)
-    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
-        assert torch.equal(ctx_a[name], ctx_b[name]), name
-    for x, y in zip(cuda.backward(ctx_a, do, dfin), cuda.backward(ctx_b, do, dfin)):
-        assert torch.equal(x, y)
-    ctx_c, none = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, None)
-    assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])
-
-
 @pytest.mark.parametrize("deferred", [[0], [0, 3], []])
 def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred):
     """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE=1: the walks of the segments whose entering
@@ -155,10 +136,11 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred):
 
 
 def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward():
-    """The CP replay backward under KDA_AOT_CP_PIPELINE=1 (replay_pipelined(full_walk=True): the backward
-    walk with its tape from the exit-state gradients known locally, then rewalk() of the segments whose
-    gradient arrives from other ranks, then backward(walk=)) against replay() then backward() with
-    the true gradients: D and every gradient bitwise."""
+    """The CP replay backward under KDA_AOT_CP_PIPELINE=1 (replay_pipelined: the chunk stage a segment
+    group at a time beside the forward walk and the backward walk, the latter with its tape from the
+    exit-state gradients known locally; then rewalk() of the segments whose gradient arrives from
+    other ranks, then backward(walk=)) against prepare(), replay() then backward() with the true
+    gradients: the saved context, D and every gradient bitwise."""
     lens, H = [65, 1, 300, 700, 2300], 2
     q, k, v, g, beta, cu, states = make(lens, H, "rand", rng("cp-rewalk"), True)
     cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
@@ -168,8 +150,10 @@ def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward():
     known[remote] = 0
     ctx_a, d_a = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, known)
     grads_a = cuda.backward(ctx_a, do, true)
-    ctx_b, walk = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known, full_walk=True)
+    ctx_b, walk = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known)
     assert torch.equal(walk[1], d_a)
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(ctx_a[name], ctx_b[name]), name
     cuda.rewalk(ctx_b, do, true, remote, walk)
     for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk)):
         assert torch.equal(x, y)

@@ -196,30 +196,6 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
         assert torch.equal(a[2][name], b[2][name]), name
 
 
-@pytest.mark.parametrize("lens", [[300, 129], [1, 63, 64, 65, 130, 2], [40] * 30 + [900, 5]], ids=["2", "6", "32"])
-@pytest.mark.parametrize("want_d", [True, False])
-def test_cp_pipelined_replay_gives_the_plain_bits(emulated, monkeypatch, lens, want_d):
-    """The CUDA CP backend's replay_pipelined (KDA_AOT_CP_PIPELINE=1) against prepare() then replay():
-    the same saved context (the chunk stage's outputs the summaries and the backward read, tape, V')
-    and the same D, with entering states for every segment; then the same gradients."""
-    from kda_aot.cp.backends import CudaBackend
-    _nan_empty(monkeypatch)
-    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 2, SEED + 5)
-    backend, bounds = CudaBackend(), cu.tolist()
-    dfinals = dht if want_d else None
-    plain_ctx, plain_d = backend.replay(backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=True), h0, do, dfinals)
-    ctx, d = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, dfinals)
-    assert (d is None) == (plain_d is None) == (not want_d)
-    if want_d:
-        assert torch.equal(d, plain_d) and not torch.isnan(d).any()
-    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma", "chunks", "seg_chunks"):
-        assert not ctx[name].is_floating_point() or not torch.isnan(ctx[name]).any(), name
-        assert torch.equal(plain_ctx[name], ctx[name]), name
-    assert ctx["chain_lengths"] == plain_ctx["chain_lengths"]
-    for x, y in zip(backend.backward(plain_ctx, do, dht), backend.backward(ctx, do, dht)):
-        assert torch.equal(x, y)
-
-
 @pytest.mark.parametrize("lens,deferred", [([300, 129], [0]), ([1, 63, 64, 65, 130, 2], [0, 3, 4]),
                                            ([40] * 30 + [900, 5], []), ([40] * 30 + [900, 5], [30])],
                          ids=["2-first", "6-three", "32-none", "32-long"])
@@ -258,11 +234,11 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
                                          ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], [])],
                          ids=["2", "6", "32-long", "32-none"])
 def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote):
-    """The CP replay backward under KDA_AOT_CP_PIPELINE=1: the backward walk in full during the replay
-    from the exit-state gradients known locally (zero for the `remote` segments), D from it; then the
-    remote segments walked again with their true gradients (rewalk) and the backward on that walk.
-    Against replay() (D from the offset walk) then backward() with the true gradients: D and every
-    gradient bitwise."""
+    """The CP replay backward under KDA_AOT_CP_PIPELINE=1: replay_pipelined (the chunk stage and both
+    walks pipelined, the backward walk in full from the exit-state gradients known locally: zero for
+    the `remote` segments), D from it; then the remote segments walked again with their true gradients
+    (rewalk) and the backward on that walk. Against prepare(), replay() (D from the offset walk) then
+    backward() with the true gradients: the saved context, D and every gradient bitwise."""
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)
     q, k, v, g, beta, cu, h0, do, true = _inputs(lens, 2, SEED + 9)
@@ -271,8 +247,12 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
     known[remote] = 0
     ctx_a, d_a = backend.replay(backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=True), h0, do, known)
     grads_a = backend.backward(ctx_a, do, true)
-    ctx_b, walk = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, known, full_walk=True)
+    ctx_b, walk = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, known)
     assert torch.equal(walk[1], d_a)
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma", "chunks", "seg_chunks"):
+        assert not ctx_b[name].is_floating_point() or not torch.isnan(ctx_b[name]).any(), name
+        assert torch.equal(ctx_a[name], ctx_b[name]), name
+    assert ctx_b["chain_lengths"] == ctx_a["chain_lengths"]
     backend.rewalk(ctx_b, do, true, remote, walk)
     grads_b = backend.backward(ctx_b, do, true, walk=walk)
     for x, y in zip(grads_a, grads_b):

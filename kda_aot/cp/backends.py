@@ -201,27 +201,24 @@ class CudaBackend:
         return o, finals, (saved if keep else None)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
-                         do: torch.Tensor, dfinals, full_walk: bool = False):
+                         do: torch.Tensor, dfinals: torch.Tensor):
         """prepare() then replay() in the single-GPU replay's pipelined order (kda._replay_walks_pipelined):
-        the chunk stage a segment group at a time, each group's forward walk and D walk beside the
-        later groups' chunk stage. The same bits as prepare() then replay(). full_walk: the backward
-        walk writes its tape too and the second result is [dtape, D] (rewalk() and backward(walk=)
-        finish it: the segments whose exit-state gradient was known here are not walked again)."""
+        the chunk stage a segment group at a time, each group's forward walk and backward walk beside
+        the later groups' chunk stage. The backward walk runs in full (its tape too) from `dfinals`:
+        returns (saved context, [dtape, D]); D has replay()'s bits, and the segments whose exit-state
+        gradient was complete in `dfinals` need no second walk (rewalk() the others, then
+        backward(walk=))."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
-        saved, walk = _replay_walks_pipelined(
-            q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
-            None if dfinals is None else do.to(torch.bfloat16).contiguous(),
-            None if dfinals is None else dfinals.to(torch.float32).contiguous(), need_dtape=full_walk)
-        return saved, (walk if full_walk or walk is None else walk[1])
+        return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
+                                       do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())
 
     def rewalk(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, segments: Sequence[int], walk: list):
         """The backward walk again over `segments` (their exit-state gradients now known: dfinals' rows),
         into walk = [dtape, d_initial_state] in place (their rows), in runs of consecutive segments."""
-        from ..kda import _runs_without, chunk_kda_bwd_walk, segments_view
-        n = len(ctx["chain_lengths"])
+        from ..kda import chunk_kda_bwd_walk, segment_runs, segments_view
         do, dfinals = do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous()
-        for a, b in _runs_without(0, n, set(range(n)) - set(segments)):
+        for a, b in segment_runs(set(segments), len(ctx["chain_lengths"])):
             chunk_kda_bwd_walk(segments_view(ctx, a, b), do, dfinals[a:b],
                                out={"dtape": walk[0], "dinitial_state": walk[1][a:b]})
 

@@ -205,8 +205,7 @@ class _ChunkKdaCP(torch.autograd.Function):
 
             def entering(prepared):
                 got["S_in"], got["M_local"] = entering_states(prepared)
-                later = [got["S_in"][f.index].to(q.device)  # in segment order, as the backend walks them
-                         for f in sorted(local, key=lambda f: f.segment) if f.needs_state]
+                later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]  # segment order
                 return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
             with _Phase("fwd local", q.device):
                 o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
@@ -283,7 +282,7 @@ class _ChunkKdaCP(torch.autograd.Function):
                         # document are done with it, the others walk again once theirs arrive (rewalk);
                         # the saved context holds the chunk stage's outputs, which the summaries read
                         lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
-                                                      do, known, full_walk=True)
+                                                      do, known)
                         first_pass, prepared = walk[1], lctx
                     else:
                         prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
