@@ -162,12 +162,15 @@ def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, knob: str 
 PIPELINE_GROUPS = 4  # chunk-stage launches of a pipelined forward (each followed by its walk)
 
 
-def plan_pipeline(chain_lengths) -> tuple:
+def plan_pipeline(chain_lengths, first: tuple = ()) -> tuple:
     """Segment groups ((first, end), ...) of a pipelined forward, in launch order. The chunk stage
     runs a group at a time and each group's walk starts, on a stream of its own, as soon as its
     chunks are done, beside the chunk stage of the groups after it: the longest walks go first so
     that they hide under the rest of the chunk stage. Up to PIPELINE_GROUPS segments: one group
-    each; more: PIPELINE_GROUPS contiguous runs of about equal chunk totals. One group: no pipeline."""
+    each; more: PIPELINE_GROUPS contiguous runs of about equal chunk totals. One group: no pipeline.
+    first: segments that go before everything, each a group of its own, in their order (context
+    parallelism: the fragments whose exit state another rank waits for); the others' groups are
+    the runs above with those segments taken out."""
     lengths = [int(n) for n in chain_lengths]
     n = len(lengths)
     if n < 2:
@@ -175,14 +178,19 @@ def plan_pipeline(chain_lengths) -> tuple:
     if n <= PIPELINE_GROUPS:
         groups = [(s, s + 1) for s in range(n)]
     else:
-        total, groups, first, acc = sum(lengths), [], 0, 0
+        total, groups, start, acc = sum(lengths), [], 0, 0
         for s, length in enumerate(lengths[:-1]):
             acc += length
             if len(groups) < PIPELINE_GROUPS - 1 and acc * PIPELINE_GROUPS >= total * (len(groups) + 1):
-                groups.append((first, s + 1))
-                first = s + 1
-        groups.append((first, n))
-    return tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
+                groups.append((start, s + 1))
+                start = s + 1
+        groups.append((start, n))
+    ahead = [int(s) for s in first]
+    if ahead:  # each group's runs of segments that are not ahead (runs_of counts from the group's start)
+        groups = [(a + ra, a + rb) for a, b in groups
+                  for inside, ra, rb in runs_of([s not in ahead for s in range(a, b)]) if inside]
+    ordered = tuple(sorted(groups, key=lambda g: -max(lengths[g[0]:g[1]])))
+    return tuple((s, s + 1) for s in ahead) + ordered
 
 
 # The forward cuts the last group's segment (when it is one) into this many pieces of chunks: its
@@ -194,12 +202,12 @@ LAST_GROUP_PIECES = 4
 MIN_PIECE_CHUNKS = 8
 
 
-def last_group_pieces(chain_lengths) -> list | None:
+def last_group_pieces(chain_lengths, first: tuple = ()) -> list | None:
     """The chunk bounds [c_0, .., c_P] of the pieces the pipelined forward cuts its last group's
     segment into, or None (the last group holds several segments, or a segment too short to
     cut: pieces of at least MIN_PIECE_CHUNKS chunks)."""
     lengths = [int(n) for n in chain_lengths]
-    groups = plan_pipeline(lengths)
+    groups = plan_pipeline(lengths, first)
     a, b = groups[-1]
     if len(groups) < 2 or b - a != 1:
         return None
@@ -235,7 +243,7 @@ def walk_step_us(program: str) -> float | None:
 
 @functools.lru_cache(maxsize=1024)
 def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int,
-                       walks_beside: int = 1) -> int:
+                       walks_beside: int = 1, first: tuple = ()) -> int:
     """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
@@ -250,12 +258,12 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     restricted: then its pieces' walks run beside those walks and the later pieces' chunk stage, and
     get one SM per chain too (session 8, forward: Q1 13.98 -> 13.86 ms, Q5 14.70 -> 14.30; Q6, whose
     first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM)."""
-    groups = plan_pipeline(chain_lengths)
+    groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
     if group == len(groups) - 1:
-        if walks_beside == 1 and last_group_pieces(chain_lengths) is not None and all(
-                pipelined_walk_sms(program, chain_lengths, heads, sms, g) < sms for g in range(group)):
+        if walks_beside == 1 and last_group_pieces(chain_lengths, first) is not None and all(
+                pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first) < sms for g in range(group)):
             return restricted
         return sms
     step = walk_step_us(program)

@@ -242,19 +242,20 @@ def _pipeline_on(pipeline=None) -> bool:
 
 
 def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, last_pieces=None,
-               before_join=None):
+               before_join=None, first: tuple = ()):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
     walks run beside the chunk stage of the groups after it. last_pieces (the forward): the chunk
     bounds (device int32) of the pieces the last group's one segment is cut into
     (fit.last_group_pieces): its chunk stage a piece at a time, each followed by
-    launch_group(i, first, end, streams, piece) for that piece. before_join(): called once every
-    launch is queued, before the side streams are joined (its launches on the current stream run
-    beside the walks). The side streams are joined back into the current stream, also when a launch
-    raises: queued work may still read the caller's tensors."""
+    launch_group(i, first, end, streams, piece) for that piece. before_join(groups, streams): called
+    once every launch is queued, before the side streams are joined (its launches on the current
+    stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
+    segments that go first. The side streams are joined back into the current stream, also when a
+    launch raises: queued work may still read the caller's tensors."""
     q = prepared["q"]
-    groups = fit.plan_pipeline(prepared["chain_lengths"])
+    groups = fit.plan_pipeline(prepared["chain_lengths"], first)
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
     main = torch.cuda.current_stream(q.device)
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
@@ -271,7 +272,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
                 else:
                     launch_group(i, a, b, [pool[i] for pool in streams], (p, pieces[0]))
         if before_join is not None:
-            before_join()
+            before_join(groups, [[pool[i] for pool in streams] for i in range(len(groups))])
     finally:
         for pool in streams:
             for side in pool:
@@ -279,14 +280,16 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
 
 
 def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
-                   tape_form, want_output, deferred=(), entering=None):
+                   tape_form, want_output, deferred=(), entering=None, senders=()):
     """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
     the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
     plain order: bitwise the same. The outputs are allocated before, on the current stream.
-    deferred, entering (context parallelism, chunk_kda_fwd_deferred): the walks of the `deferred`
-    segments are left out of the groups; once the whole chunk stage is queued, entering(prepared)
-    gives their entering states (in `deferred`'s order, sorted) and they are walked from them on the
-    current stream, beside the other walks."""
+    deferred, entering, senders (context parallelism, chunk_kda_fwd_deferred): the `senders`
+    segments go first (their walks' final states are what other ranks wait for); the walks of the
+    `deferred` segments are left out of the groups; once the whole chunk stage is queued and the
+    senders' walks are done, entering(prepared, final_state) gives the deferred segments' entering
+    states (in `deferred`'s order, sorted) and they are walked from them on the current stream,
+    beside the other walks."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
@@ -294,11 +297,14 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                          output_final_state=output_final_state)
     sms = _sm_count(q.device)
     lengths = prepared["chain_lengths"]
+    deferred, first = sorted(deferred), tuple(sorted(senders))
     # The last group's segment in pieces (its walk would otherwise start only once its whole chunk
     # stage is done and then run alone: the tail of the forward): piece p's walk starts from piece
-    # p - 1's end state (fp32, stored and loaded exactly: bitwise the one walk).
-    deferred = sorted(deferred)
-    bounds = None if deferred else fit.last_group_pieces(lengths)
+    # p - 1's end state (fp32, stored and loaded exactly: bitwise the one walk). Not when that
+    # segment's walk is deferred (it waits for the exchange).
+    bounds = fit.last_group_pieces(lengths, first)
+    if bounds is not None and fit.plan_pipeline(lengths, first)[-1][0] in deferred:
+        bounds = None
     pieces = None
     if bounds is not None:
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
@@ -307,47 +313,47 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
 
     def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
-        sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i)
-        if deferred:  # the group's segments but the deferred ones, in runs of consecutive segments
+        sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i, 1, first)
+        # the group's segments but the deferred ones, in runs of consecutive segments
+        runs = segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)) if deferred else [(a, b)]
+        for ra, rb in runs:
+            view = segments_view(prepared, ra, rb)
+            h0 = None if initial_state is None else initial_state[ra:rb]
+            run_out, want_final = dict(part), output_final_state
+            if "final_state" in part:
+                run_out["final_state"] = part["final_state"][ra:rb]
+            if piece is not None:  # the group is one segment: (ra, rb) == (a, b)
+                p, chunks = piece
+                view.update(seg_chunks=chunks[p:p + 2], chain_lengths=(bounds[p + 1] - bounds[p],))
+                if p > 0:
+                    h0 = handoff[p - 1]
+                if p < len(bounds) - 2:
+                    run_out["final_state"], want_final = handoff[p], True
             with torch.cuda.stream(streams[0]):
-                for ra, rb in segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)):
-                    chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=initial_state[ra:rb],
-                                   output_final_state=True, save_tape=save_tape,
-                                   out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
-                                   want_output=want_output, sm_count=sm_count, pool=f"kda_fwd_tape/pipeline{i}")
-            return
-        view = segments_view(prepared, a, b)
-        h0 = None if initial_state is None else initial_state[a:b]
-        want_final = output_final_state
-        if "final_state" in part:
-            part["final_state"] = part["final_state"][a:b]
-        if piece is not None:
-            p, chunks = piece
-            view.update(seg_chunks=chunks[p:p + 2], chain_lengths=(bounds[p + 1] - bounds[p],))
-            if p > 0:
-                h0 = handoff[p - 1]
-            if p < len(bounds) - 2:
-                part["final_state"], want_final = handoff[p], True
-        with torch.cuda.stream(streams[0]):
-            chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape, out=part,
-                           tape_form=tape_form, want_output=want_output, sm_count=sm_count,
-                           pool=f"kda_fwd_tape/pipeline{i}")
+                chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape,
+                               out=run_out, tape_form=tape_form, want_output=want_output, sm_count=sm_count,
+                               pool=f"kda_fwd_tape/pipeline{i}")
 
-    def walk_deferred():
-        states = entering(prepared)  # launches of its own (CP summaries, exchange) on the current stream
+    def walk_deferred(groups, streams):
+        main = torch.cuda.current_stream(q.device)
+        for i, (a, b) in enumerate(groups):  # the senders' final states, read on this stream
+            if any(a <= s < b for s in first):
+                for side in streams[i]:
+                    main.wait_stream(side)
+        states = entering(prepared, full["final_state"])  # CP summaries and exchange, on this stream
         if not deferred:
             return
         part = {name: x for name, x in full.items() if x is not None}
-        first = 0
+        start = 0
         for ra, rb in segment_runs(set(deferred), len(lengths)):
             n = rb - ra
-            chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[first:first + n],
+            chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
                            output_final_state=True, save_tape=save_tape,
                            out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
                            want_output=want_output, pool="kda_fwd_tape/deferred")
-            first += n
+            start += n
     _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces,
-               walk_deferred if entering is not None else None)
+               walk_deferred if entering is not None else None, first)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None
@@ -359,11 +365,13 @@ def segment_runs(segments, n: int) -> list:
     return [(a, b) for inside, a, b in fit.runs_of([s in segments for s in range(n)]) if inside]
 
 
-def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape):
+def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape,
+                           senders=()):
     """The pipelined forward (output and final states) for context parallelism: the chunk stage a
     segment group at a time, the walks of the segments whose entering state is known here
-    (initial_state's rows; the `deferred` rows are not read) beside it; once the chunk stage is
-    queued, entering(prepared) - the summaries that read it and the exchange - returns the
+    (initial_state's rows; the `deferred` rows are not read) beside it, the `senders` segments first;
+    once the chunk stage is queued and the senders' walks are done, entering(prepared, final_state) -
+    the summaries that read the chunk stage, the senders' final states, the exchange - returns the
     deferred segments' entering states [len(deferred), H, 128, 128] fp32 (sorted order), and their
     walks run beside the others. entering is called on every call (the exchange is collective).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
@@ -371,7 +379,7 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, tape_form=None, want_output=True, deferred=deferred,
-                                     entering=entering)
+                                     entering=entering, senders=senders)
     saved["initial_state"] = None  # its deferred rows were placeholders (the backward reads the tape)
     return o, final, saved
 

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from . import reference
-from .cp.halo import conv1d_silu_cp
 from .cp.backends import ReferenceBackend
-from .cp.ops import BACKWARD_MODES, chunk_kda_cp
+from .cp.exchange import check_agreement
+from .cp.halo import CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
+from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_facts
 from .cp.plan import CPPlan
 from .norm import WIDTH, l2norm, l2norm_torch
 
@@ -74,22 +75,22 @@ class PackedKDA(nn.Module):
                 f"backward={self.backward_mode!r}, backend={self.backend!r}")
 
     # ------------------------------------------------------------------ pieces
-    def _conv_fn(self, x):
-        """conv(x, weight, bias, cu_seqlens, halo) of the backend."""
+    def _conv_ops(self, x):
+        """(single-device conv(x, weight, bias, cu_seqlens), the CP conv's ops) of the backend."""
         if self.backend == "cuda":
             from .conv import causal_conv1d_silu
 
-            def conv(x, w, b, cu_seqlens, halo):
+            def conv(x, w, b, cu_seqlens):
                 # a list or CPU tensor stays on the host: no copy, no sync (kda_aot.packing)
                 cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens,
                                                                                         dtype=torch.int32)
-                return causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=halo)
-            return conv
+                return causal_conv1d_silu(x, w, b, cu_seqlens=cu)
+            return conv, CudaConv()
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
 
-        def conv(x, w, b, cu_seqlens, halo):
-            return reference.conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, halo=halo, dtype=dtype)
-        return conv
+        def conv(x, w, b, cu_seqlens):
+            return reference.conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, dtype=dtype)
+        return conv, ReferenceConv(dtype)
 
     def _check_call(self, q, k, v, cu_seqlens, plan, group):
         if (cu_seqlens is None) == (plan is None):
@@ -110,17 +111,22 @@ class PackedKDA(nn.Module):
         [1, T, H, head_dim]: fp32 (fp64 for fp64 inputs) on the reference backend, the input
         dtype on the CUDA backend."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
+        if plan is not None:
+            facts, problem = conv_facts([q, k, v], plan)
+            group, _, _ = check_agreement("PackedKDA.conv_qkv", plan, group, facts, problem, q)
+        return self._conv_qkv(q, k, v, cu_seqlens, plan, group)
+
+    def _conv_qkv(self, q, k, v, cu_seqlens, plan, group):
+        """conv_qkv once the ranks have agreed (under CP: one all_gather each way for the three halos)."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
-        out = []
-        for x, name in zip((q, k, v), "qkv"):
-            w, b = getattr(self, f"{name}_conv_weight"), getattr(self, f"{name}_conv_bias")
-            conv = self._conv_fn(x)
-            if plan is None:
-                y = conv(x, w, b, cu_seqlens, None)
-            else:   # halo exchange + conv; one collective per tensor, every rank joins
-                y = conv1d_silu_cp(x, w, b, plan=plan, group=group, conv=conv)
-            out.append(y.reshape(1, T, H, Dh))
-        qc, kc, vc = out
+        weights = [getattr(self, f"{name}_conv_weight") for name in "qkv"]
+        biases = [getattr(self, f"{name}_conv_bias") for name in "qkv"]
+        conv, cp_conv = self._conv_ops(q)
+        if plan is None:
+            out = [conv(x, w, b, cu_seqlens) for x, w, b in zip((q, k, v), weights, biases)]
+        else:
+            out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, group=group, conv=cp_conv, check=False)
+        qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
         if self.qk_l2norm:  # the CUDA backend's fused pass (PyTorch's took ~60 ms of B3 on Q1)
             norm = l2norm if self.backend == "cuda" and Dh == WIDTH else l2norm_torch
             qc, kc = norm(qc), norm(kc)
@@ -139,27 +145,39 @@ class PackedKDA(nn.Module):
         if self.backend == "cuda" and self.head_dim != 128:
             # before the conv and before any collective: every rank raises
             raise ValueError(f"PackedKDA(backend='cuda'): head_dim must be 128, got {self.head_dim}")
-        qc, kc, vc = self.conv_qkv(q, k, v, cu_seqlens=cu_seqlens, plan=plan, group=group)
+        if plan is not None:
+            return self._forward_cp(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state)
+        qc, kc, vc = self._conv_qkv(q, k, v, cu_seqlens, None, None)
         if self.backend == "cuda":
-            from .cp.backends import CudaBackend
             from .kda import chunk_kda
-            if plan is not None:
-                o, final = chunk_kda_cp(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
-                                        initial_state=initial_state, output_final_state=output_final_state,
-                                        backward=self.backward_mode, backend=CudaBackend())
-            else:
-                o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, scale=scale,
-                                     initial_state=initial_state, output_final_state=output_final_state,
-                                     backward=self.backward_mode)
+            o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+                                 initial_state=initial_state, output_final_state=output_final_state,
+                                 backward=self.backward_mode)
             return o.to(q.dtype), final
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if plan is not None:
-            o, final = chunk_kda_cp(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
-                                    initial_state=initial_state,
-                                    output_final_state=output_final_state,
-                                    backward=self.backward_mode, backend=ReferenceBackend(dtype))
+        o, final = reference.kda_chunked(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens,
+                                         scale=scale, initial_state=initial_state,
+                                         output_final_state=output_final_state, dtype=dtype)
+        return o.to(q.dtype), final
+
+    def _forward_cp(self, q, k, v, g, beta, plan, group, scale, initial_state, output_final_state):
+        """Under CP: ONE agreement check for the whole call (the conv's facts and KDA's; each check is
+        a host sync, and the GPU idles while the host launches what follows one: session 9's CP2
+        timeline lost ~6 ms of Q1's 10.6 ms conv + norm prelude to four of them), then the conv with
+        its halos and chunk_kda_cp."""
+        H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
+        if self.backend == "cuda":
+            from .cp.backends import CudaBackend
+            backend = CudaBackend()
         else:
-            o, final = reference.kda_chunked(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens,
-                                             scale=scale, initial_state=initial_state,
-                                             output_final_state=output_final_state, dtype=dtype)
+            backend = ReferenceBackend(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        heads = [x.reshape(1, T, H, Dh) for x in (q, k, v)]  # the shapes KDA gets (views: nothing computed)
+        backend, facts, problem, scale = kda_facts(*heads, g, beta, initial_state, plan, scale, self.backward_mode,
+                                                   backend)
+        conv_known, conv_problem = conv_facts([q, k, v], plan)
+        group, _, _ = check_agreement("PackedKDA", plan, group, {**conv_known, **facts}, conv_problem or problem, q)
+        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, group)
+        o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
+                                       initial_state=initial_state, output_final_state=output_final_state,
+                                       backward=self.backward_mode, backend=backend)
         return o.to(q.dtype), final

@@ -109,12 +109,12 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
     assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])
 
 
-@pytest.mark.parametrize("deferred", [[0], [0, 3], []])
-def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred):
-    """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE=1: the walks of the segments whose entering
-    state is known beside the chunk stage, the deferred ones from what entering(prepared) returns
-    once it is queued) against prepare() then forward() with the same states: every output bitwise;
-    entering called once with the whole chunk stage."""
+@pytest.mark.parametrize("deferred,senders", [([0], [4]), ([0, 3], [1, 2]), ([], [])])
+def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred, senders):
+    """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE, the default: the walks of the segments whose
+    entering state is known beside the chunk stage, the senders' first, the deferred ones from what
+    entering(prepared, final_state) returns once it is queued) against prepare() then forward() with
+    the same states: every output bitwise; entering called once, the senders' final states ready."""
     lens, H = [65, 1, 300, 700, 2300], 2
     q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred))), True)
     later = torch.randn_like(known)
@@ -125,11 +125,12 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred):
                                      prepared=cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True))
     calls = []
 
-    def entering(prepared):
-        calls.append(prepared)
+    def entering(prepared, finals):
+        calls.append(finals[senders].clone())  # queued on the stream the exchange would use
         return later[deferred]
-    o_b, fin_b, ctx_b = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, True, known, deferred, entering)
-    assert len(calls) == 1
+    o_b, fin_b, ctx_b = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, True, known, deferred, entering,
+                                               senders)
+    assert len(calls) == 1 and torch.equal(calls[0], fin_a[senders])
     assert torch.equal(o_a, o_b) and torch.equal(fin_a, fin_b)
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name

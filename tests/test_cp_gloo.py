@@ -55,7 +55,9 @@ T = 384                   # divisible by 2W for every W tested (contiguous/zigza
 # Packs (document lengths). Every W sees documents shorter than a rank's share (T / W), a
 # document spanning every rank ("long"), empty doc_zigzag pieces (documents of fewer than 2W
 # chunks) and, at W = 8, ranks holding no token at all and zigzag parts of 3 tokens, shorter
-# than the conv halo ("tiny", T = 48).
+# than the conv halo ("tiny", T = 48); at W = 4 and 8, zigzag parts of 2 and 1 tokens inside a
+# document ("specks", T = 16): a token then lies in the halos of two or three later fragments, whose
+# gradients its owner sums.
 PACKS = {
     "mixed": [37, 5, 170, 1, 64, 107],
     "long": [T],
@@ -73,7 +75,8 @@ def _random_pack():
 PACKS["random"] = _random_pack()
 LAYOUTS = cp.LAYOUTS
 # W = 8 runs one layout sweep on the packs that stress it most (start-up and CPU time).
-SWEEP = {2: list(PACKS), 3: list(PACKS), 4: list(PACKS), 8: ["long", "short", "tiny"]}
+SWEEP = {2: list(PACKS), 3: list(PACKS), 4: list(PACKS) + ["specks"], 8: ["long", "short", "tiny", "specks"]}
+PACKS["specks"] = [5, 11]  # T = 16: W = 4 and 8 only (contiguous and zigzag need T % 2W == 0)
 FP64_PACKS = {2: ["mixed"], 3: ["random"], 4: ["short"], 8: ["tiny"]}
 ERROR_VARIANTS = ["cu_seqlens", "layout", "local_shape", "heads", "wrong_rank", "world_size",
                   "halo_layout"]

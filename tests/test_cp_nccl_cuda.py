@@ -90,10 +90,10 @@ def results(name):
         cases += [{"kind": "op", "backend": "cuda", "name": f"per-fragment/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                    "modes": ["saved", "replay"], "env": PER_FRAGMENT} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
-        # the chunk stage pipelined with the walks, forward and replay (KDA_AOT_CP_PIPELINE=1)
-        cases += [{"kind": "op", "backend": "cuda", "name": f"pipelined/{lay}/{pack}", "layout": lay,
+        # the plain order (KDA_AOT_CP_PIPELINE=0; the default pipelines the chunk stage with the walks)
+        cases += [{"kind": "op", "backend": "cuda", "name": f"plain-order/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
-                   "modes": ["saved", "replay"], "env": {"KDA_AOT_CP_PIPELINE": "1"}}
+                   "modes": ["saved", "replay"], "env": {"KDA_AOT_CP_PIPELINE": "0"}}
                   for lay in cp.LAYOUTS for pack in ("mixed", "long")]
         for lay in cp.LAYOUTS:
             x, sd, _ = module_case("spans")
@@ -111,13 +111,13 @@ def rel_rms(x, ref):
 
 
 @pytest.mark.parametrize("layout,pack,summaries", [(lay, p, "batched") for lay in cp.LAYOUTS for p in PACKS]
-                         + [(lay, p, kind) for kind in ("per-fragment", "pipelined") for lay in cp.LAYOUTS
+                         + [(lay, p, kind) for kind in ("per-fragment", "plain-order") for lay in cp.LAYOUTS
                             for p in ("mixed", "long")])
 def test_cuda_backend_matches_reference(layout, pack, summaries):
     """Both summary paths: batched (the default: all the rank's fragments in two launches, each
     fragment cut into pieces composed in fp32) and one per fragment (KDA_AOT_CP_BATCHED_SUMMARIES=0);
-    and the chunk stage pipelined with the walks (KDA_AOT_CP_PIPELINE=1): saved and replay gradients
-    bitwise equal there too."""
+    both orders: the chunk stage pipelined with the walks (the default) and the plain order
+    (KDA_AOT_CP_PIPELINE=0): saved and replay gradients bitwise equal in each."""
     res = results(f"{layout}/{pack}" if summaries == "batched" else f"{summaries}/{layout}/{pack}")
     G.check_modes_bitwise(res, f"cuda {summaries} {layout} {pack}")
     plan = cp.make_plan(G.cu_of(PACKS[pack]), layout, world_size=W, rank=0)

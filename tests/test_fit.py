@@ -148,6 +148,21 @@ def test_pipeline_groups():
         assert all(a < b for a, b in groups) and all(x[1] == y[0] for x, y in zip(groups, groups[1:]))
 
 
+def test_pipeline_groups_with_segments_first():
+    """CP senders (first=): each its own group, ahead of the others, whose groups are the plain runs
+    with the senders taken out; every segment in exactly one group; the last group's pieces follow."""
+    assert fit.plan_pipeline((1584, 368), (1,)) == ((1, 2), (0, 1))  # Q1 contiguous CP2, rank 0
+    assert fit.plan_pipeline((1025, 193, 1563, 487, 625, 205), (3,)) == ((3, 4), (1, 3), (0, 1), (4, 6))
+    assert fit.plan_pipeline((1025, 193, 1563, 487, 625, 205), (0, 2)) == ((0, 1), (2, 3), (4, 6), (3, 4), (1, 2))
+    assert fit.plan_pipeline((700,), (0,)) == ((0, 1),)
+    assert fit.last_group_pieces((1584, 368), (1,)) == [0, 396, 792, 1188, 1584]
+    assert fit.last_group_pieces((1584, 368)) == [1584, 1676, 1768, 1860, 1952]
+    for lengths, first in (([5, 1, 1, 1, 1, 1, 1, 1, 9], (0, 4, 8)), ([1] * 7, (6,)), ([100] + [1] * 20, (3, 4))):
+        groups = fit.plan_pipeline(lengths, first)
+        assert groups[:len(first)] == tuple((s, s + 1) for s in first)
+        assert sorted(s for a, b in groups for s in range(a, b)) == list(range(len(lengths)))
+
+
 def test_pipelined_walk_sms():
     """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless it
     stays the critical path on every SM with the rest of the chunk stage slowed beside it (then all

@@ -196,15 +196,18 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
         assert torch.equal(a[2][name], b[2][name]), name
 
 
-@pytest.mark.parametrize("lens,deferred", [([300, 129], [0]), ([1, 63, 64, 65, 130, 2], [0, 3, 4]),
-                                           ([40] * 30 + [900, 5], []), ([40] * 30 + [900, 5], [30])],
-                         ids=["2-first", "6-three", "32-none", "32-long"])
+@pytest.mark.parametrize("lens,deferred,senders", [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]),
+                                                   ([40] * 30 + [900, 5], [], [31]),
+                                                   ([40] * 30 + [900, 5], [30], [0, 31]), ([700], [], [0])],
+                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender"])
 @pytest.mark.parametrize("keep", [True, False])
-def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, keep):
-    """The CUDA CP backend's forward_pipelined (KDA_AOT_CP_PIPELINE=1): the walks of the segments with
-    a known entering state beside the chunk stage, entering(prepared) once the chunk stage is queued
-    (called once, also with nothing deferred: the exchange is collective), the deferred segments'
-    walks from what it returns; against prepare() then forward() with the same entering states."""
+def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep):
+    """The CUDA CP backend's forward_pipelined (KDA_AOT_CP_PIPELINE, the default): the walks of the
+    segments with a known entering state beside the chunk stage, the senders' first,
+    entering(prepared, final_state) once the chunk stage is queued (called once, also with nothing
+    deferred: the exchange is collective) with the senders' final states already there, the deferred
+    segments' walks from what it returns; against prepare() then forward() with the same entering
+    states."""
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)
     q, k, v, g, beta, cu, known, _, later = _inputs(lens, 2, SEED + 7)
@@ -215,14 +218,15 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
                             prepared=backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=keep))
     calls = []
 
-    def entering(prepared):
-        calls.append(prepared)
+    def entering(prepared, finals):
+        calls.append(finals[senders].clone())  # what the exchange would send
         assert not torch.isnan(prepared["w"]).any()  # the whole chunk stage is there for the summaries
         return later[deferred]
     poisoned_known = known.clone()
     poisoned_known[deferred] = float("nan")  # the deferred rows must not be read
-    got = backend.forward_pipelined(q, k, v, g, beta, bounds, 0.1, keep, poisoned_known, deferred, entering)
-    assert len(calls) == 1
+    got = backend.forward_pipelined(q, k, v, g, beta, bounds, 0.1, keep, poisoned_known, deferred, entering,
+                                    senders)
+    assert len(calls) == 1 and torch.equal(calls[0], plain[1][senders])
     assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1]) and not torch.isnan(got[1]).any()
     assert (got[2] is None) == (not keep)
     if keep:

@@ -1,7 +1,9 @@
 """Context-parallel benchmark (issue 4): `torchrun --nproc-per-node W -m kda_aot.bench cp`.
 
 B1 = PackedKDA forward (conv halo exchange, conv1d + SiLU on q, k, v, KDA state passing and
-recurrence, communication included); B3 = forward + checkpoint replay + backward. Packs of
+recurrence, communication included); B3 = forward + checkpoint replay + backward, the input
+gradients dropped before each step (until session 9 they accumulated across steps: one more
+full-size add per input and arm). Packs of
 DESIGN.md §5, H = 32, layouts contiguous / zigzag / doc_zigzag. Latency = median over steady
 iterations of the slowest rank (each iteration's time is all-reduced with MAX), arms interleaved.
 flash-linear-attention's CP (build_cp_context, contiguous and zigzag) runs side by side for its
@@ -27,8 +29,8 @@ from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
 BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops (default on)
 PER_FRAGMENT_ARM = "kda_aot/per_fragment"  # the knob off: one summary (two walk launches) per fragment
-PIPELINE_KNOB = "KDA_AOT_CP_PIPELINE"  # kda_aot.cp.ops (default off until measured)
-PIPELINED_ARM = "kda_aot/pipelined"  # the knob on: the chunk stage pipelined with the walks (forward, replay)
+PIPELINE_KNOB = "KDA_AOT_CP_PIPELINE"  # kda_aot.cp.ops (default on since session 9)
+PLAIN_ORDER_ARM = "kda_aot/plain_order"  # the knob off: prepare, summaries, exchange, then the walks
 NO_PLAN_ARM = "kda_aot/no_plan"  # one GPU, no CP plan (cu_seqlens): CP1's rows carry it as the single-device baseline
 
 
@@ -75,7 +77,7 @@ def fla_kda():
 
 
 def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",),
-        layouts=LAYOUTS, with_fla=True, per_fragment=False, pipelined=False) -> list[dict]:
+        layouts=LAYOUTS, with_fla=True, per_fragment=False, plain_order=False) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows, t_start = [], time.monotonic()
@@ -102,8 +104,13 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                 with torch.no_grad():
                     module(q, k, v, gl, bl, plan=plan)
 
+            def fresh(xs):  # a training step's input gradients start empty (as in bench single)
+                for x in xs:
+                    x.grad = None
+                return xs
+
             def b3():
-                o, _ = module(*leaves, gl, bl, plan=plan)
+                o, _ = module(*fresh(leaves), gl, bl, plan=plan)
                 o.backward(do)
 
             arms = {}
@@ -116,15 +123,15 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                         module(q, k, v, gl, bl, cu_seqlens=cu)
 
                 def single_b3():
-                    o, _ = module(*leaves, gl, bl, cu_seqlens=cu)
+                    o, _ = module(*fresh(leaves), gl, bl, cu_seqlens=cu)
                     o.backward(do)
                 arms[(NO_PLAN_ARM, "B1")], arms[(NO_PLAN_ARM, "B3")] = single_b1, single_b3
             if per_fragment:  # one summary per fragment against the batched summaries (the default)
                 arms[(PER_FRAGMENT_ARM, "B1")], arms[(PER_FRAGMENT_ARM, "B3")] = (with_env(BATCHED_KNOB, "0", b1),
                                                                                   with_env(BATCHED_KNOB, "0", b3))
-            if pipelined:  # the chunk stage pipelined with the walks (forward and replay) against the default
-                arms[(PIPELINED_ARM, "B1")] = with_env(PIPELINE_KNOB, "1", b1)
-                arms[(PIPELINED_ARM, "B3")] = with_env(PIPELINE_KNOB, "1", b3)
+            if plain_order:  # the CP path's plain order against the pipelined one (the default)
+                arms[(PLAIN_ORDER_ARM, "B1")] = with_env(PIPELINE_KNOB, "0", b1)
+                arms[(PLAIN_ORDER_ARM, "B3")] = with_env(PIPELINE_KNOB, "0", b3)
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -136,7 +143,7 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                         fla_chunk_kda(qh, kh, vh, gl, bl, use_qk_l2norm_in_kernel=True, cp_context=ctx)
 
                 def fla_b3():
-                    o, _ = fla_chunk_kda(*fl, gl, bl, use_qk_l2norm_in_kernel=True, cp_context=ctx)
+                    o, _ = fla_chunk_kda(*fresh(fl), gl, bl, use_qk_l2norm_in_kernel=True, cp_context=ctx)
                     o.backward(do)
 
                 arms[("fla_kda_only", "B1")] = fla_b1
@@ -154,8 +161,8 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             phases = {"kda_aot": _phases_by_rank(b3, iters=3)}
             if per_fragment:
                 phases[PER_FRAGMENT_ARM] = _phases_by_rank(with_env(BATCHED_KNOB, "0", b3), iters=3)
-            if pipelined:
-                phases[PIPELINED_ARM] = _phases_by_rank(with_env(PIPELINE_KNOB, "1", b3), iters=3)
+            if plain_order:
+                phases[PLAIN_ORDER_ARM] = _phases_by_rank(with_env(PIPELINE_KNOB, "0", b3), iters=3)
             new = []
             for (arm, boundary), ts in times.items():
                 extra = {"phases_ms_by_rank": phases[arm]} if boundary == "B3" and arm in phases else {}
@@ -187,9 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--per-fragment-summaries", action="store_true",
                    help=f"add the arm {PER_FRAGMENT_ARM} ({BATCHED_KNOB}=0: one summary per fragment instead of "
                         "every fragment's at once, in pieces)")
-    p.add_argument("--pipelined", action="store_true",
-                   help=f"add the arm {PIPELINED_ARM} ({PIPELINE_KNOB}=1: the chunk stage pipelined with the walks, "
-                        "forward and replay)")
+    p.add_argument("--plain-order", action="store_true",
+                   help=f"add the arm {PLAIN_ORDER_ARM} ({PIPELINE_KNOB}=0: the CP path's plain order instead of the "
+                        "chunk stage pipelined with the walks)")
     args = p.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
@@ -202,7 +209,7 @@ def main(argv=None) -> int:
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
                    walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla,
-                   per_fragment=args.per_fragment_summaries, pipelined=args.pipelined)
+                   per_fragment=args.per_fragment_summaries, plain_order=args.plain_order)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))

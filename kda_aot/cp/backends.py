@@ -186,18 +186,19 @@ class CudaBackend:
         return saved, (None if bwd is None else bwd[1])
 
     def forward_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool,
-                          known: torch.Tensor, deferred: Sequence[int], entering):
+                          known: torch.Tensor, deferred: Sequence[int], entering, senders: Sequence[int] = ()):
         """forward() in the single-GPU pipelined order (kda.chunk_kda_fwd_deferred): the chunk stage a
         segment group at a time with the walks of the segments whose entering state is known (`known`,
-        one row per local segment; the `deferred` rows are not read) beside it; entering(prepared)
-        then runs the summaries and the exchange and returns the deferred segments' entering states,
-        whose walks run beside the others. The same bits as prepare() then forward()."""
+        one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
+        entering(prepared, final_state) then runs the summaries and the exchange (the senders' exit
+        states are their final_state rows) and returns the deferred segments' entering states, whose
+        walks run beside the others. Each segment's walk is the one forward() runs: the same bits."""
         from ..kda import chunk_kda_fwd_deferred
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         o, finals, saved = chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
-            deferred=deferred, entering=lambda prepared: entering(prepared).to(torch.float32).contiguous(),
-            save_tape=keep)
+            deferred=deferred, entering=lambda prepared, finals: entering(prepared, finals).to(torch.float32).contiguous(),
+            save_tape=keep, senders=senders)
         return o, finals, (saved if keep else None)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,

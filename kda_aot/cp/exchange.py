@@ -95,12 +95,14 @@ def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
 
 def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
              items: Dict[int, torch.Tensor], dtype: torch.dtype,
-             like: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
+             like: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
     """Collective all-gather of per-fragment payloads.
 
     size_of(f) is the number of elements fragment f publishes (0: nothing), a pure function of
     the plan so that all ranks agree on every rank's payload layout. `items` maps the index of
     each of this rank's publishing fragments to its payload (any shape, `size_of` elements).
+    packed: instead of `items`, this rank's payloads already laid out one after the other in table
+    order (one copy instead of one per fragment; None when this rank publishes nothing).
     Returns {fragment index: flat payload} for the publishing fragments of every rank.
     """
     import torch.distributed as dist
@@ -112,8 +114,17 @@ def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
         return {}
     device = _device_for(group, like)
     mine = torch.full((width,), float("nan"), dtype=dtype, device=device)
+    if packed is not None or not items:
+        n = 0 if packed is None else packed.numel()
+        if n != totals[plan.rank]:
+            raise AssertionError(f"rank {plan.rank}: packed payload of {n} elements, the plan says {totals[plan.rank]}")
+        if n:
+            mine[:n] = packed.reshape(-1).to(device=device, dtype=dtype)
+        per_rank_items = []
+    else:
+        per_rank_items = per_rank[plan.rank]
     offset = 0
-    for f in per_rank[plan.rank]:
+    for f in per_rank_items:
         n = size_of(f)
         payload = items[f.index].reshape(-1)
         if payload.numel() != n:

@@ -9,18 +9,27 @@ fragments that is followed by another fragment of its document ("tails"), one al
 every rank assembles its halos from the table. The backward sends each halo row's gradient
 back the same way (one all_gather of the halo gradients) and each owner adds what lands on its
 tail tokens to their gradient.
+
+conv1d_silu_cp convolves several tensors (q, k and v of a layer) with one all_gather each way, and
+its backward adds the returned halo gradients into the conv's own input gradient in place, on the
+few tail rows (fp32, in table order: deterministic) - session 9's CP2 timeline had a full-size
+zero fill and a full-size sum per tensor there (1 ms each on Q1) when the halo was its own
+autograd node.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+import itertools
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from .._tensor import host_table_to
 from ..reference import CONV_WIDTH
 from .exchange import check_agreement, exchange
 from .plan import CPPlan, Fragment
 
-__all__ = ["conv_halo", "conv1d_silu_cp"]
+__all__ = ["conv_halo", "conv1d_silu_cp", "ReferenceConv", "CudaConv", "conv_facts"]
 
 HALO = CONV_WIDTH - 1
 
@@ -49,44 +58,189 @@ def _tail_slot(e: Fragment, offset: int) -> int:
     return HALO - (e.length - offset)
 
 
-class _ConvHalo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, plan: CPPlan, group):
-        D = x.shape[-1]
-        local = plan.local_fragments
-        size_of = lambda f: 0 if f.is_last else HALO * D
-        items = {}
-        for f in local:
-            if not f.is_last:
-                tail = x.new_full((HALO, D), float("nan"))     # slots before f: never read
-                n = min(HALO, f.length)
-                tail[HALO - n:] = x[0, f.local_start + f.length - n:f.local_start + f.length]
-                items[f.index] = tail
-        published = exchange(plan, group, size_of, items, x.dtype, like=x)
-        halo = x.new_zeros(len(local), HALO, D)
-        for f in local:
-            for j, e, off in _sources(plan, f):
-                halo[f.segment, j] = published[e.index].view(HALO, D)[_tail_slot(e, off)]
-        ctx.cfg = (plan, group, tuple(x.shape))
-        return halo
+def _tail_index(plan: CPPlan) -> Tuple[List[int], List[int]]:
+    """The local token rows of this rank's published tails, HALO per publishing fragment in table
+    order, right-aligned; and the positions in that list of the slots before a fragment shorter
+    than HALO (they hold NaN: never read)."""
+    index, empty = [], []
+    for f in plan.local_fragments:
+        if not f.is_last:
+            for s in range(HALO):
+                t = f.length - HALO + s
+                if t < 0:
+                    empty.append(len(index))
+                index.append(f.local_start + max(t, 0))
+    return index, empty
+
+
+def _halos(plan: CPPlan, group, xs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Collective: the halos [n_local, HALO, D_i] (x_i's dtype) of every x_i, one all_gather. A fixed
+    handful of launches whatever the number of fragments (gathers by host-built row tables)."""
+    local, widths = plan.local_fragments, [x.shape[-1] for x in xs]
+    total, device = sum(widths), xs[0].device
+    index, empty = _tail_index(plan)
+    packed = None
+    if index:
+        rows = host_table_to(torch.tensor(index, dtype=torch.int64), device)
+        packed = torch.cat([x[0].index_select(0, rows) for x in xs], dim=-1)
+        if empty:
+            packed.index_fill_(0, host_table_to(torch.tensor(empty, dtype=torch.int64), device), float("nan"))
+    published = exchange(plan, group, lambda f: 0 if f.is_last else HALO * total, {}, xs[0].dtype, like=xs[0],
+                         packed=packed)
+    dest, src = [], []
+    for f in local:
+        for j, e, off in _sources(plan, f):
+            dest.append(f.segment * HALO + j)
+            src.append(published[e.index].view(HALO, total)[_tail_slot(e, off)])
+    halo = xs[0].new_zeros(len(local) * HALO, total)
+    if dest:
+        halo.index_copy_(0, host_table_to(torch.tensor(dest, dtype=torch.int64), device), torch.stack(src))
+    halo = halo.view(len(local), HALO, total)
+    if len(xs) == 1:
+        return [halo]
+    firsts = [0, *itertools.accumulate(widths)]
+    return [halo[..., a:b].contiguous() for a, b in zip(firsts[:-1], firsts[1:])]
+
+
+def _returned_halo_grads(plan: CPPlan, group, dhalos: Sequence[torch.Tensor], widths, like):
+    """Collective: the gradients of the halo rows every rank read from this rank's tail tokens, one
+    all_gather. Returns (local token rows [R] int64 on like's device, their gradient [R, sum widths]
+    in dhalos' dtype, each row's contributions summed in table order: deterministic) or None."""
+    local, total, device = plan.local_fragments, sum(widths), like.device
+    dtype = dhalos[0].dtype
+    senders = [f.segment for f in local if f.needs_state]
+    packed = None
+    if senders:
+        dhalo = dhalos[0] if len(dhalos) == 1 else torch.cat(list(dhalos), dim=-1)
+        packed = dhalo.index_select(0, host_table_to(torch.tensor(senders, dtype=torch.int64), device))
+    published = exchange(plan, group, lambda f: HALO * total if f.needs_state else 0, {}, dtype, like=like,
+                         packed=packed)
+    mine = {f.index for f in local}
+    # Every rank's halo rows in table order: a fixed summation order, so the result does not depend
+    # on which rank computes it. contributions[i] = (local token row, gradient row)
+    contributions = [(e.local_start + off, published[g.index].view(HALO, total)[j])
+                     for g in plan.fragments for j, e, off in _sources(plan, g) if e.index in mine]
+    if not contributions:
+        return None
+    grads = torch.stack([c[1] for c in contributions])
+    order = sorted(range(len(contributions)), key=lambda i: contributions[i][0])  # stable: table order kept
+    rows, groups = [], []
+    for i in order:
+        if rows and rows[-1] == contributions[i][0]:
+            groups[-1].append(i)
+        else:
+            rows.append(contributions[i][0])
+            groups.append([i])
+    table = lambda ix: host_table_to(torch.tensor(ix, dtype=torch.int64), device)
+    summed = grads.index_select(0, table([g[0] for g in groups]))
+    for k in range(1, max(len(g) for g in groups)):  # a token in several halos (fragments < HALO tokens)
+        has = [r for r, g in enumerate(groups) if len(g) > k]
+        summed.index_copy_(0, table(has), summed.index_select(0, table(has))
+                            + grads.index_select(0, table([groups[r][k] for r in has])))
+    return table(rows), summed
+
+
+class ReferenceConv:
+    """kda_aot.reference's conv in `dtype` (None: x's dtype); its backward by autograd."""
+
+    def __init__(self, dtype: Optional[torch.dtype] = None):
+        self.dtype = dtype
+
+    def out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return self.dtype or x.dtype
+
+    def forward(self, x, w, b, cu_seqlens, halo):
+        from ..reference import conv1d_silu
+        return conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, halo=halo, dtype=self.out_dtype(x))
+
+    def backward(self, x, w, b, cu_seqlens, halo, dy):
+        """(dx, dw, db or None, dhalo)."""
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (x, w, halo)]
+            bias = None if b is None else b.detach().requires_grad_()
+            y = self.forward(leaves[0], leaves[1], bias, cu_seqlens, leaves[2])
+            grads = torch.autograd.grad(y, leaves + ([bias] if bias is not None else []), dy)
+        return grads[0], grads[1], (grads[3] if bias is not None else None), grads[2]
+
+
+class CudaConv:
+    """The kernels of kda_aot.conv (bf16 x and y, fp32 taps, fp32 weight and halo gradients)."""
+
+    def out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return x.dtype
+
+    def forward(self, x, w, b, cu_seqlens, halo):
+        from ..conv import _checked_boundaries, _f32, conv1d_silu_forward
+        cu = _checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
+        return conv1d_silu_forward(x, _f32(w), _f32(b), cu, halo)
+
+    def backward(self, x, w, b, cu_seqlens, halo, dy):
+        from ..conv import _checked_boundaries, _f32, conv1d_silu_backward
+        cu = _checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
+        dx, dw, db, dhalo = conv1d_silu_backward(x, _f32(w), _f32(b), cu, dy.contiguous(), halo, need_dhalo=True)
+        return dx, dw.to(w.dtype), None if db is None else db.to(b.dtype), dhalo
+
+
+def _host_bounds(cu_seqlens) -> torch.Tensor:
+    # the plan's boundaries stay on the host (kda_aot.packing caches their device copy: no sync)
+    return cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens, dtype=torch.int32)
+
+
+class _ConvSiluCP(torch.autograd.Function):
+    """y_i = conv(x_i, w_i, b_i, local segments, halo_i) for i = 1..n, the halos in one exchange each way."""
 
     @staticmethod
-    def backward(ctx, dhalo):
-        plan, group, xshape = ctx.cfg
-        D = xshape[-1]
-        local = plan.local_fragments
-        size_of = lambda f: HALO * D if f.needs_state else 0
-        items = {f.index: dhalo[f.segment] for f in local if f.needs_state}
-        published = exchange(plan, group, size_of, items, dhalo.dtype, like=dhalo)
-        dx = dhalo.new_zeros(xshape)
-        mine = {f.index: f for f in local}
-        # Visit the halo rows of every rank in table order: a fixed summation order, so the
-        # result does not depend on which rank computes it.
-        for g in plan.fragments:
-            for j, e, off in _sources(plan, g):
-                if e.index in mine:
-                    dx[0, e.local_start + off] += published[g.index].view(HALO, D)[j]
-        return dx, None, None
+    def forward(ctx, plan: CPPlan, group, conv, n: int, *tensors):
+        xs, ws, bs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        halos = _halos(plan, group, xs)
+        if plan.local_fragments:
+            ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for x, w, b, h in zip(xs, ws, bs, halos)]
+        else:  # no token here: empty outputs, and the backward still joins the collective
+            ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for x in xs]
+        ctx.cfg = (plan, group, conv, n)
+        ctx.save_for_backward(*xs, *ws, *bs, *halos)
+        return tuple(ys)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        plan, group, conv, n = ctx.cfg
+        saved = ctx.saved_tensors
+        xs, ws, bs, halos = (saved[i * n:(i + 1) * n] for i in range(4))
+        if plan.local_fragments:
+            parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
+                     for x, w, b, h, dy in zip(xs, ws, bs, halos, dys)]
+        else:
+            parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
+                     for x, w, b, h in zip(xs, ws, bs, halos)]
+        # the halo gradients travel in fp32 at least and are added to the dx rows once, then rounded
+        dhalos = [p[3].to(torch.promote_types(p[3].dtype, torch.float32)) for p in parts]
+        back = _returned_halo_grads(plan, group, dhalos, [x.shape[-1] for x in xs], like=xs[0])
+        dxs = [p[0] for p in parts]
+        if back is not None:
+            rows, grads = back
+            first = 0
+            for dx in dxs:
+                d = dx.shape[-1]
+                add = grads[:, first:first + d]
+                dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
+                first += d
+        return (None, None, None, None, *dxs, *[p[1] for p in parts], *[p[2] for p in parts])
+
+
+def conv_facts(xs: Sequence[torch.Tensor], plan: CPPlan) -> Tuple[dict, Optional[str]]:
+    """(facts every rank must agree on, this rank's problem or None) of a CP conv of xs."""
+    problem = None
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != plan.num_local_tokens:
+            problem = problem or (f"x must be [1, {plan.num_local_tokens}, D] for rank {plan.rank}, "
+                                  f"got {list(x.shape)}")
+        elif x.dtype != xs[0].dtype or x.device != xs[0].device:
+            problem = problem or f"the conv inputs differ in dtype or device ({x.dtype} on {x.device})"
+    facts = {"conv D": tuple(x.shape[-1] if x.dim() else None for x in xs), "conv dtype": xs[0].dtype}
+    return facts, problem
 
 
 def conv_halo(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
@@ -99,35 +253,52 @@ def conv_halo(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
     equals the single-device conv on this rank's tokens, and the halo's gradient flows back
     to the ranks that own those tokens in the backward, which is collective as well: the halo
     must reach the loss on EVERY rank, including a rank that holds no token (whose halo is
-    [0, 3, D] and which has no segment to convolve: see conv1d_silu_cp, which handles it).
+    [0, 3, D]). conv1d_silu_cp is this and the conv in one node (what the module uses).
     """
-    problem = None
-    if not isinstance(x_local, torch.Tensor):
-        raise TypeError(f"x_local: expected a torch.Tensor, got {type(x_local).__name__}")
-    if x_local.dim() != 3 or x_local.shape[0] != 1 or x_local.shape[1] != plan.num_local_tokens:
-        problem = (f"x_local must be [1, {plan.num_local_tokens}, D] for rank {plan.rank}, "
-                   f"got {list(x_local.shape)}")
-    facts = {"D": x_local.shape[-1] if x_local.dim() else None, "dtype": x_local.dtype}
+    facts, problem = conv_facts([x_local], plan)
     group, _, _ = check_agreement("conv_halo", plan, group, facts, problem, x_local)
     return _ConvHalo.apply(x_local, plan, group)
 
 
-def conv1d_silu_cp(x_local: torch.Tensor, weight: torch.Tensor, bias=None, *, plan: CPPlan,
-                   group=None, conv=None, dtype=None) -> torch.Tensor:
+class _ConvHalo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan: CPPlan, group):
+        ctx.cfg = (plan, group, tuple(x.shape))
+        return _halos(plan, group, [x])[0]
+
+    @staticmethod
+    def backward(ctx, dhalo):
+        plan, group, xshape = ctx.cfg
+        dx = dhalo.new_zeros(xshape)
+        back = _returned_halo_grads(plan, group, [dhalo], [xshape[-1]], like=dhalo)
+        if back is not None:
+            rows, grads = back
+            dx[0].index_copy_(0, rows, grads)
+        return dx, None, None
+
+
+def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="reference",
+                   check: bool = True):
     """Collective, differentiable: the causal conv1d + SiLU of this rank's tokens under CP.
 
-    conv_halo + conv(x_local, weight, bias, local cu_seqlens, halo), where conv defaults to
-    reference.conv1d_silu in `dtype` (default: x's dtype) and may be any function with that
-    signature (the CUDA op). A rank that holds no token returns an empty [1, 0, D] result that
-    still depends on the halo and the parameters, so that its (collective) halo backward runs
-    like everyone else's and its parameter gradients are zeros rather than None.
+    xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
+    weights / biases: one per x ([D, 4], [D] or None). The halos of all of them travel in one
+    all_gather, their gradients back in one more. conv: "reference" (kda_aot.reference in x's
+    dtype), "cuda" (the kernels, bf16) or an object with forward/backward like ReferenceConv.
+    Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns empty
+    results that must still reach the loss (the backward is collective).
+    check=False: the caller has run check_agreement with conv_facts already (PackedKDA: one
+    agreement for its whole call).
     """
-    from ..reference import conv1d_silu
-    halo = conv_halo(x_local, plan, group)
-    if not plan.local_fragments:
-        keep = halo.sum() + weight.sum() + (0 if bias is None else bias.sum())
-        return x_local * 0 + keep.to(x_local.dtype) * 0
-    if conv is None:
-        return conv1d_silu(x_local, weight, bias, cu_seqlens=plan.local_cu_seqlens, halo=halo,
-                           dtype=x_local.dtype if dtype is None else dtype)
-    return conv(x_local, weight, bias, plan.local_cu_seqlens, halo)
+    single = isinstance(xs, torch.Tensor)
+    xs = [xs] if single else list(xs)
+    weights = [weights] if single else list(weights)
+    biases = [biases] if single else list(biases if biases is not None else [None] * len(xs))
+    if len(weights) != len(xs) or len(biases) != len(xs):
+        raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(weights)} weights and {len(biases)} biases")
+    conv = {"reference": ReferenceConv, "cuda": CudaConv}[conv]() if isinstance(conv, str) else conv
+    if check:
+        facts, problem = conv_facts(xs, plan)
+        group, _, _ = check_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
+    ys = _ConvSiluCP.apply(plan, group, conv, len(xs), *xs, *weights, *biases)
+    return ys[0] if single else list(ys)

@@ -32,7 +32,7 @@ from .plan import CPPlan
 from .summaries import (backward_payload_size, compose_entering_states, compose_exit_grads,
                         exit_state, forward_payload_size)
 
-__all__ = ["chunk_kda_cp", "BACKWARD_MODES", "phase_times"]
+__all__ = ["chunk_kda_cp", "chunk_kda_cp_agreed", "kda_facts", "BACKWARD_MODES", "phase_times"]
 
 BACKWARD_MODES = ("replay", "saved")
 
@@ -146,14 +146,15 @@ def _summaries(backend, prepared, local, frags, k, v, g, beta, need_b: bool) -> 
 
 
 def _pipeline_on() -> bool:
-    """KDA_AOT_CP_PIPELINE=1: a backend's pipelined orders, as on one GPU (the chunk stage a segment
-    group at a time beside the walks): forward_pipelined in the forward (the walks of fragments that
-    start their document here beside the chunk stage, the summaries and the exchange) and
-    replay_pipelined in the replay backward, whose backward walk runs in full there for the fragments
-    that end their document (their exit-state gradient is known: no second walk; rewalk for the
-    others). Off by default until measured on the H200 (written in session 8 after the device budget
-    ran out)."""
-    return os.environ.get("KDA_AOT_CP_PIPELINE", "0") == "1"
+    """A backend's pipelined orders, as on one GPU (the chunk stage a segment group at a time beside
+    the walks): forward_pipelined in the forward (the walks of fragments that start their document
+    here beside the chunk stage, those whose exit state others wait for first; then the summaries,
+    the exchange and the other walks) and replay_pipelined in the replay backward, whose backward
+    walk runs in full there for the fragments that end their document (their exit-state gradient is
+    known: no second walk; rewalk for the others). Default since session 9 (CP2 B3 on Q1, two H200s:
+    contiguous 57.79 -> 52.74 ms, zigzag 55.03 -> 54.39); KDA_AOT_CP_PIPELINE=0: the plain order
+    (prepare, summaries, exchange, forward), within the fp32 summary bound of it."""
+    return os.environ.get("KDA_AOT_CP_PIPELINE", "1") == "1"
 
 
 def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):
@@ -175,21 +176,25 @@ class _ChunkKdaCP(torch.autograd.Function):
             return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
                     else initial_state[f.doc].to(sd))
 
-        def entering_states(prepared):
+        def entering_states(prepared, finals=None):
             """Steps 1-2: what the others wait for ((M, B) of middle fragments, exit states of first
-            ones), the exchange, and the local fragments' entering states composed from it."""
+            ones: from the summaries, or the local walks' final states `finals` when given), the
+            exchange, and the local fragments' entering states composed from it."""
             items, M_local = {}, {}
+            summarised = [f for f in local if not f.is_last and (f.needs_state or finals is None)]
             with _Phase("fwd summary walks", q.device):
-                summaries = _summaries(backend, prepared, local, [f for f in local if not f.is_last], k, v, g, beta,
-                                       need_b=True)
+                summaries = _summaries(backend, prepared, local, summarised, k, v, g, beta, need_b=True)
                 for f in local:
                     if f.is_last:
                         continue
-                    M, B = summaries[f.index]
                     if f.needs_state:
+                        M, B = summaries[f.index]
                         items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
                         M_local[f.index] = M
+                    elif finals is not None:
+                        items[f.index] = finals[f.segment]
                     else:
+                        M, B = summaries[f.index]
                         S0 = None if initial_state is None else initial_state[f.doc]
                         items[f.index] = exit_state(M, B, S0)
             with _Phase("fwd exchange", q.device):
@@ -199,18 +204,21 @@ class _ChunkKdaCP(torch.autograd.Function):
         pipelined = getattr(backend, "forward_pipelined", None) if _pipeline_on() and local else None
         if pipelined is not None:
             # 0-3 beside each other: the chunk stage a segment group at a time with the walks of the
-            # fragments whose entering state is known here; once it is queued, the summaries, the
-            # exchange, then the other fragments' walks (the backend's pipelined order)
+            # fragments whose entering state is known here, first those of the fragments that others
+            # wait for (their exit state is their walk's final state: no summary walk); once it is
+            # queued, the middle fragments' summaries, the exchange, then the other fragments' walks
+            # (the backend's pipelined order)
             got = {}
 
-            def entering(prepared):
-                got["S_in"], got["M_local"] = entering_states(prepared)
+            def entering(prepared, finals):
+                got["S_in"], got["M_local"] = entering_states(prepared, finals)
                 later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]  # segment order
                 return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
             with _Phase("fwd local", q.device):
                 o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
                                             torch.stack([known_state(f) for f in local]),
-                                            [f.segment for f in local if f.needs_state], entering)
+                                            [f.segment for f in local if f.needs_state], entering,
+                                            [f.segment for f in local if not f.needs_state and not f.is_last])
             S_in, M_local = got["S_in"], got["M_local"]
         else:
             # 0. the local work that needs no entering state (a backend that can split it off), so
@@ -367,6 +375,16 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     final_state), including a rank that holds no token (its o is [1, 0, H, V]), in the same
     order as the other ranks' CP calls.
     """
+    backend, facts, problem, scale = kda_facts(q, k, v, g, beta, initial_state, plan, scale, backward, backend)
+    group, _, _ = check_agreement("chunk_kda_cp", plan, group, facts, problem,
+                                  q if isinstance(q, torch.Tensor) else None)
+    return chunk_kda_cp_agreed(q, k, v, g, beta, plan=plan, group=group, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, backward=backward, backend=backend)
+
+
+def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: str, backend):
+    """(backend object, facts every rank must agree on, this rank's problem or None, scale) of a
+    chunk_kda_cp call; raises on arguments that are wrong on every rank alike (mode, plan type)."""
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
     backend = get_backend(backend)
@@ -381,8 +399,13 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
              "V": v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else None,
              "scale": float(scale) if scale is not None else None,
              "state dtype": backend.state_dtype, "backend": backend.name}
-    group, _, _ = check_agreement("chunk_kda_cp", plan, group, facts, problem,
-                                  q if isinstance(q, torch.Tensor) else None)
+    return backend, facts, problem, scale
+
+
+def chunk_kda_cp_agreed(q, k, v, g, beta, *, plan: CPPlan, group, scale: float, initial_state, output_final_state,
+                        backward: str, backend):
+    """chunk_kda_cp once the ranks have agreed (check_agreement on kda_facts, e.g. PackedKDA's one
+    check for its whole call): group resolved, scale set, backend an object."""
     # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing.
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
