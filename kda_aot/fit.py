@@ -275,6 +275,28 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside] * rest_us <= step * fast else restricted
 
 
+# kda_bwd_chunk's cost per (chunk, head) on a whole H200, in microseconds: 7.54 ms for CP2 Q1 contiguous
+# rank 0's 1,952 chunks x 32 heads (session 9, bench/timeline_cp.py).
+BWD_CHUNK_US_PER_CHUNK_HEAD = 0.121
+
+
+@functools.lru_cache(maxsize=1024)
+def rewalk_beside(chain_lengths: tuple, rewalk: tuple, heads: int, sms: int) -> int | None:
+    """The SMs of the CP replay backward's second walk of the `rewalk` segments (kda.chunk_kda_bwd)
+    when it runs beside kda_bwd_chunk over the other segments' chunks: one full CTA per chain, when
+    that walk is predicted to end before kda_bwd_chunk over the others does (slowed by the SMs the
+    walk holds); None: no such overlap pays (nothing else to run beside, more chains than SMs, a
+    longer walk): the walk runs first, on every SM."""
+    chains = heads * len(rewalk)
+    step = walk_step_us("kda_bwd_tape")
+    others = sum(n for s, n in enumerate(chain_lengths) if s not in rewalk)
+    if not rewalk or chains >= sms or step is None or others == 0:
+        return None
+    walk_us = step * max(chain_lengths[s] for s in rewalk)
+    chunk_us = others * heads * BWD_CHUNK_US_PER_CHUNK_HEAD * sms / (sms - chains)
+    return chains if walk_us <= chunk_us else None
+
+
 # Pieces of the CP summary walks (kda_aot.cp, batched summaries): a fragment of n chunks is walked as
 # up to MAX_SUMMARY_PIECES chunk-aligned pieces, each from zero and with its own transfer, composed
 # after in fp32 (S_out = M_p ... M_1 S_in + ...); at least MIN_SUMMARY_PIECE chunks a piece, so that the

@@ -252,25 +252,38 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     launch_group(i, first, end, streams, piece) for that piece. before_join(groups, streams): called
     once every launch is queued, before the side streams are joined (its launches on the current
     stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
-    segments that go first. The side streams are joined back into the current stream, also when a
-    launch raises: queued work may still read the caller's tensors."""
+    segments that go first (and the last group's first piece before them). The side streams are
+    joined back into the current stream, also when a launch raises: queued work may still read the
+    caller's tensors."""
     q = prepared["q"]
     groups = fit.plan_pipeline(prepared["chain_lengths"], first)
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
     main = torch.cuda.current_stream(q.device)
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
+    last = len(groups) - 1
+    # (group, piece or None) in launch order; with senders (first) the last group's first piece goes
+    # ahead of everything: its walk, the rank's long chain, then starts at once instead of after the
+    # senders' chunk stage (session 9, CP2 Q1 contiguous rank 0: 0.85 ms of it)
+    launches = [(i, None) for i in range(last)]
+    if last_pieces is None:
+        launches.append((last, None))
+    else:
+        pieces = [(last, p) for p in range(len(last_pieces[1]) - 1)]
+        launches = pieces[:1] + launches + pieces[1:] if first else launches + pieces
     try:
-        for i, (a, b) in enumerate(groups):
-            pieces = last_pieces if last_pieces is not None and i == len(groups) - 1 else None
-            bounds = [first_chunk[a], first_chunk[b]] if pieces is None else pieces[1]
-            for p in range(len(bounds) - 1):
+        for i, p in launches:
+            a, b = groups[i]
+            if p is None:
+                _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
+            else:
+                bounds = last_pieces[1]
                 _launch_chunk_stage(prepared, chunk_form, initial_state, bounds[p], bounds[p + 1])
-                for pool in streams:
-                    pool[i].wait_stream(main)
-                if pieces is None:
-                    launch_group(i, a, b, [pool[i] for pool in streams])
-                else:
-                    launch_group(i, a, b, [pool[i] for pool in streams], (p, pieces[0]))
+            for pool in streams:
+                pool[i].wait_stream(main)
+            if p is None:
+                launch_group(i, a, b, [pool[i] for pool in streams])
+            else:
+                launch_group(i, a, b, [pool[i] for pool in streams], (p, last_pieces[0]))
         if before_join is not None:
             before_join(groups, [[pool[i] for pool in streams] for i in range(len(groups))])
     finally:
@@ -461,8 +474,10 @@ def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     return t
 
 
-def _launch_bwd_chunk(t: dict, form: str):
-    desc = {name: describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
+def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
+    """kda_bwd_chunk over chunks [first, end) (all by default; per-chunk tensors narrowed as in
+    _launch_chunk_stage: each chunk reads and writes its own rows)."""
+    desc = {name: describe(x, name) for name, x in _chunk_range(t, first, end).items()}
     registry.library("kda_bwd_chunk", form).launch(desc, t["scale"], stream_of(t["dout"]))
 
 
@@ -492,7 +507,7 @@ def _gate_result(t: dict, dv, dh0) -> tuple:
     return t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None):
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
@@ -500,7 +515,11 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
     gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged).
     walk: [dtape, d_initial_state] when the backward walk has run already (the replay runs it beside
-    the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it."""
+    the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it.
+    rewalk (with walk; context parallelism): segments whose walk ran from a stand-in exit-state
+    gradient and runs again here from dfinal_state's rows, into walk's rows - beside kda_bwd_chunk
+    over the other segments' chunks when fit.rewalk_beside says it hides there. Bitwise the same as
+    walking them first."""
     gate_form = _pick_form("gate_form", gate_form, "KDA_AOT_GATE_FORM", GATE_FORMS)
     if walk is not None:
         dtape, dh0 = walk
@@ -510,7 +529,10 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     if release:
         for name in ("qg", "o", "final_state"):
             saved.pop(name, None)
-    parts = chunk_kda_bwd_chunk(saved, dout, dtape)
+    if rewalk:
+        parts = _bwd_chunk_rewalk(saved, dout, dfinal_state, dtape, dh0, sorted(rewalk))
+    else:
+        parts = chunk_kda_bwd_chunk(saved, dout, dtape)
     del dtape
     if release:
         for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
@@ -518,6 +540,45 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     t = _gate_tensors(saved, parts, gate_form)
     _launch_gate(t, gate_form)
     return _gate_result(t, parts["dv"], dh0)
+
+
+def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list) -> dict:
+    """The `rewalk` segments' backward walk again (into dtape, dh0), and kda_bwd_chunk: the walk on a
+    side stream on the SMs fit.rewalk_beside gives it, beside kda_bwd_chunk over the other segments'
+    chunks, then kda_bwd_chunk over theirs; or (no such SM count) the walk first on every SM. Session 9,
+    CP2 Q1 contiguous rank 0: the rewalk of its last fragment (368 chunks) took 0.95 ms alone between
+    the replay's walks and kda_bwd_chunk (7.54 ms)."""
+    q = saved["q"]
+    lengths, H = saved["chain_lengths"], q.shape[2]
+    runs = segment_runs(set(rewalk), len(lengths))
+    form = _pick_form("bwd_chunk_form", None, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
+    t = _bwd_chunk_tensors(saved, dout, dtape)
+    sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, _sm_count(q.device))
+
+    def walk_again(sm_count=None):
+        for a, b in runs:
+            chunk_kda_bwd_walk(segments_view(saved, a, b), dout, dfinal_state[a:b],
+                               out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=sm_count,
+                               pool="kda_bwd_tape/rewalk")
+    if sms is None:
+        walk_again()
+        _launch_bwd_chunk(t, form)
+    else:
+        first = (0, *itertools.accumulate(lengths))
+        main = torch.cuda.current_stream(q.device)
+        side = _side_streams(q.device, 1, "rewalk")[0]
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side):
+                walk_again(sms)
+            for inside, a, b in fit.runs_of([s not in rewalk for s in range(len(lengths))]):
+                if inside:
+                    _launch_bwd_chunk(t, form, first[a], first[b])
+        finally:
+            main.wait_stream(side)
+        for a, b in runs:
+            _launch_bwd_chunk(t, form, first[a], first[b])
+    return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:

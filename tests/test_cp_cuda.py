@@ -109,14 +109,18 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
     assert none is None and torch.equal(ctx_c["tape"], ctx_a["tape"])
 
 
-@pytest.mark.parametrize("deferred,senders", [([0], [4]), ([0, 3], [1, 2]), ([], [])])
-def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred, senders):
+@pytest.mark.parametrize("lens,deferred,senders", [([65, 1, 300, 700, 2300], [0], [4]),
+                                                   ([65, 1, 300, 700, 2300], [0, 3], [1, 2]),
+                                                   ([65, 1, 300, 700, 2300], [], []),
+                                                   ([6000, 900], [], [1])],  # the last group's piece 0 first
+                         ids=["sender-last", "two-senders", "none", "lead-piece"])
+def test_pipelined_forward_is_bitwise_prepare_then_forward(lens, deferred, senders):
     """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE, the default: the walks of the segments whose
     entering state is known beside the chunk stage, the senders' first, the deferred ones from what
     entering(prepared, final_state) returns once it is queued) against prepare() then forward() with
     the same states: every output bitwise; entering called once, the senders' final states ready."""
-    lens, H = [65, 1, 300, 700, 2300], 2
-    q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred))), True)
+    H = 2
+    q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred), len(lens))), True)
     later = torch.randn_like(known)
     cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
     states = known.clone()
@@ -136,12 +140,16 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(deferred, senders):
         assert torch.equal(ctx_a[name], ctx_b[name]), name
 
 
-def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward():
-    """The CP replay backward under KDA_AOT_CP_PIPELINE=1 (replay_pipelined: the chunk stage a segment
-    group at a time beside the forward walk and the backward walk, the latter with its tape from the
-    exit-state gradients known locally; then rewalk() of the segments whose gradient arrives from
-    other ranks, then backward(walk=)) against prepare(), replay() then backward() with the true
-    gradients: the saved context, D and every gradient bitwise."""
+@pytest.mark.parametrize("beside", [False, True], ids=["walk-first", "beside-bwd-chunk"])
+def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch, beside):
+    """The CP replay backward (replay_pipelined: the chunk stage a segment group at a time beside the
+    forward walk and the backward walk, the latter with its tape from the exit-state gradients known
+    locally; then backward(walk=, rewalk=): the segments whose gradient arrives from other ranks
+    walked again - first, or on a side stream beside kda_bwd_chunk over the others, as
+    fit.rewalk_beside decides; both forced here) against prepare(), replay() then backward() with the
+    true gradients: the saved context, D and every gradient bitwise."""
+    from kda_aot import fit
+    monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     lens, H = [65, 1, 300, 700, 2300], 2
     q, k, v, g, beta, cu, states = make(lens, H, "rand", rng("cp-rewalk"), True)
     cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
@@ -155,6 +163,5 @@ def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward():
     assert torch.equal(walk[1], d_a)
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name
-    cuda.rewalk(ctx_b, do, true, remote, walk)
-    for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk)):
+    for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk, rewalk=remote)):
         assert torch.equal(x, y)

@@ -238,3 +238,13 @@ def test_pipeline_slowdown_by_walks_beside(monkeypatch):
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 0, 2) == 66
     finally:
         fit.pipelined_walk_sms.cache_clear()
+
+
+def test_rewalk_beside():
+    """The CP backward's second walk beside kda_bwd_chunk: one CTA per chain while that hides it."""
+    fit.rewalk_beside.cache_clear()
+    assert fit.rewalk_beside((1584, 368), (1,), 32, 132) == 32      # CP2 Q1 contiguous, rank 0
+    assert fit.rewalk_beside((1584, 368), (0,), 32, 132) is None    # the long walk: first, every SM
+    assert fit.rewalk_beside((1584, 368), (0, 1), 32, 132) is None  # nothing to run beside
+    assert fit.rewalk_beside((1584, 368), (), 32, 132) is None
+    assert fit.rewalk_beside(tuple([40] * 8) + (2000,), tuple(range(8)), 32, 132) is None  # 256 chains

@@ -198,8 +198,9 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
 
 @pytest.mark.parametrize("lens,deferred,senders", [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]),
                                                    ([40] * 30 + [900, 5], [], [31]),
-                                                   ([40] * 30 + [900, 5], [30], [0, 31]), ([700], [], [0])],
-                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender"])
+                                                   ([40] * 30 + [900, 5], [30], [0, 31]), ([700], [], [0]),
+                                                   ([2000, 300], [], [1])],
+                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender", "lead-piece"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep):
     """The CUDA CP backend's forward_pipelined (KDA_AOT_CP_PIPELINE, the default): the walks of the
@@ -237,12 +238,16 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
 @pytest.mark.parametrize("lens,remote", [([300, 129], [0]), ([1, 63, 64, 65, 130, 2], [0, 2, 3]),
                                          ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], [])],
                          ids=["2", "6", "32-long", "32-none"])
-def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote):
-    """The CP replay backward under KDA_AOT_CP_PIPELINE=1: replay_pipelined (the chunk stage and both
-    walks pipelined, the backward walk in full from the exit-state gradients known locally: zero for
-    the `remote` segments), D from it; then the remote segments walked again with their true gradients
-    (rewalk) and the backward on that walk. Against prepare(), replay() (D from the offset walk) then
-    backward() with the true gradients: the saved context, D and every gradient bitwise."""
+@pytest.mark.parametrize("beside", [False, True], ids=["walk-first", "beside-bwd-chunk"])
+def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote, beside):
+    """The CP replay backward: replay_pipelined (the chunk stage and both walks pipelined, the backward
+    walk in full from the exit-state gradients known locally: zero for the `remote` segments), D from
+    it; then backward(walk=, rewalk=): the remote segments walked again with their true gradients,
+    first or beside kda_bwd_chunk over the others' chunks (fit.rewalk_beside; both forced here: in
+    launch order, so a kda_bwd_chunk launch over a remote segment before its walk fails). Against
+    prepare(), replay() (D from the offset walk) then backward() with the true gradients: the saved
+    context, D and every gradient bitwise."""
+    monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)
     q, k, v, g, beta, cu, h0, do, true = _inputs(lens, 2, SEED + 9)
@@ -257,7 +262,6 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
         assert not ctx_b[name].is_floating_point() or not torch.isnan(ctx_b[name]).any(), name
         assert torch.equal(ctx_a[name], ctx_b[name]), name
     assert ctx_b["chain_lengths"] == ctx_a["chain_lengths"]
-    backend.rewalk(ctx_b, do, true, remote, walk)
-    grads_b = backend.backward(ctx_b, do, true, walk=walk)
+    grads_b = backend.backward(ctx_b, do, true, walk=walk, rewalk=remote)
     for x, y in zip(grads_a, grads_b):
         assert not torch.isnan(y).any() and torch.equal(x, y)

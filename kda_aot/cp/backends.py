@@ -207,27 +207,20 @@ class CudaBackend:
         the chunk stage a segment group at a time, each group's forward walk and backward walk beside
         the later groups' chunk stage. The backward walk runs in full (its tape too) from `dfinals`:
         returns (saved context, [dtape, D]); D has replay()'s bits, and the segments whose exit-state
-        gradient was complete in `dfinals` need no second walk (rewalk() the others, then
-        backward(walk=))."""
+        gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
+        others again)."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())
 
-    def rewalk(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, segments: Sequence[int], walk: list):
-        """The backward walk again over `segments` (their exit-state gradients now known: dfinals' rows),
-        into walk = [dtape, d_initial_state] in place (their rows), in runs of consecutive segments."""
-        from ..kda import chunk_kda_bwd_walk, segment_runs, segments_view
-        do, dfinals = do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous()
-        for a, b in segment_runs(set(segments), len(ctx["chain_lengths"])):
-            chunk_kda_bwd_walk(segments_view(ctx, a, b), do, dfinals[a:b],
-                               out={"dtape": walk[0], "dinitial_state": walk[1][a:b]})
-
-    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None):
-        """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already."""
+    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
+        """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
+        rewalk (with walk): segments whose walk ran from a stand-in exit-state gradient and runs again
+        from dfinals' rows (beside kda_bwd_chunk over the other segments where that hides it)."""
         from ..kda import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                             walk=walk)
+                             walk=walk, rewalk=rewalk)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd_walk

@@ -335,8 +335,8 @@ class _ChunkKdaCP(torch.autograd.Function):
                 true[f.segment] = dS_out[f.index].to(device)
         with _Phase("bwd local", device):
             if walk is not None:
-                backend.rewalk(lctx, do, true, [f.segment for f in local if not f.is_last], walk)
-                final_pass = backend.backward(lctx, do, true, walk=walk)
+                final_pass = backend.backward(lctx, do, true, walk=walk,
+                                              rewalk=[f.segment for f in local if not f.is_last])
             else:
                 final_pass = backend.backward(lctx, do, true)
         grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
