@@ -53,24 +53,38 @@ _VARIANT = "tests and benchmarks only: a tiling variant, bitwise equal in y/dx/d
 
 RECORDS: tuple[Record, ...] = (
     Record(program=_FWD, form="default",
-           params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2},
-           select="always (the only shipped form)", grid=_CONV_GRID),
+           params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
+                   "l2norm": False},
+           select="the conv alone (v; q and k without the norm)", grid=_CONV_GRID),
     Record(program=_BWD, form="default",
            params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 8, "min_blocks": 2,
-                   "reduce_threads": 256},
-           select="always (the only shipped form)", grid=_BWD_GRID),
+                   "reduce_threads": 256, "l2norm": False},
+           select="the conv alone (v; q and k without the norm)", grid=_BWD_GRID),
+    # The per-head L2 norm of q and k fused into their conv (PackedKDA, CUDA backend, head dim 128): saves
+    # the norm's own pass over each tensor both ways (session 9: l2norm 0.53 ms forward and 0.78 ms backward
+    # per tensor on CP2 Q1's 125 k tokens x 4,096 channels). l2norm_eps = kda_aot.norm.L2NORM_EPS (tested).
+    Record(program=_FWD, form="l2norm",
+           params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
+                   "l2norm": True, "l2norm_eps": "1e-6f"},
+           select="q and k of PackedKDA with qk_l2norm (head dim 128)", grid=_CONV_GRID),
+    Record(program=_BWD, form="l2norm",
+           params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 8, "min_blocks": 2,
+                   "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f"},
+           select="q and k of PackedKDA with qk_l2norm (head dim 128)", grid=_BWD_GRID),
     # Variants kept to measure against the shipped form (bench/NOTES.md) and to check it bitwise.
     Record(program=_FWD, form="c8",
-           params={"threads": 256, "tokens_per_thread": 64, "channels": 8, "unroll": 4, "min_blocks": 1},
+           params={"threads": 256, "tokens_per_thread": 64, "channels": 8, "unroll": 4, "min_blocks": 1,
+                   "l2norm": False},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
     Record(program=_BWD, form="u4",
            params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 4, "min_blocks": 3,
-                   "reduce_threads": 256},
+                   "reduce_threads": 256, "l2norm": False},
            select=_VARIANT, grid=_BWD_GRID, shipped=False),
     # Short tiles put a tile edge every few tokens: bitwise checks against the shipped form prove the
     # tile-edge and document-edge logic of the window walk.
     Record(program=_FWD, form="short_tiles",
-           params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1},
+           params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1,
+                   "l2norm": False},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
     # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): session 4
     # default 16.04 ms, balanced 14.14 (bitwise equal); session 6 balanced 13.96, lean 12.71 (fp64-checked,
@@ -222,7 +236,7 @@ RECORDS: tuple[Record, ...] = (
            grid="min(ceil(rows / 2 / 16), 2^20) CTAs of 256 threads; 16 lanes per row, grid-stride",),
     Record(program=_BWD, form="short_tiles",
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 3, "min_blocks": 1,
-                   "reduce_threads": 128},
+                   "reduce_threads": 128, "l2norm": False},
            select=_VARIANT + " (dweight/dbias differ in summation order only)", grid=_BWD_GRID, shipped=False),
 )
 

@@ -71,31 +71,47 @@ def conv1d_silu_backward(x, weight, bias, cu_seqlens, dy, halo=None, *, need_dha
 
 class _Conv1dSilu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, halo, cu_seqlens):
+    def forward(ctx, x, weight, bias, halo, cu_seqlens, form):
         w32, b32 = _f32(weight), _f32(bias)
-        y = conv1d_silu_forward(x, w32, b32, cu_seqlens, halo)
+        y = conv1d_silu_forward(x, w32, b32, cu_seqlens, halo, form=form)
         ctx.save_for_backward(x, w32, b32, halo, cu_seqlens)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.form = form
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w32, b32, halo, cu_seqlens = ctx.saved_tensors
         need_dhalo = halo is not None and ctx.needs_input_grad[3]
-        dx, dw, db, dh = conv1d_silu_backward(x, w32, b32, cu_seqlens, dy.contiguous(), halo, need_dhalo=need_dhalo)
+        dx, dw, db, dh = conv1d_silu_backward(x, w32, b32, cu_seqlens, dy.contiguous(), halo, need_dhalo=need_dhalo,
+                                              form=ctx.form)
         wdtype, bdtype = ctx.dtypes
         return (dx, dw.to(wdtype), None if db is None else db.to(bdtype),
-                None if dh is None else dh.to(halo.dtype), None)
+                None if dh is None else dh.to(halo.dtype), None, None)
+
+
+NORM_HEAD = 128  # the l2norm forms normalise 128-channel heads (one warp of 4-channel threads each)
+
+
+def conv_form(x: torch.Tensor, l2norm: bool) -> str:
+    """The conv record for x: "l2norm" (the per-head L2 norm fused; D a multiple of 128) or "default"."""
+    if l2norm and (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] % NORM_HEAD):
+        raise ValueError(f"causal_conv1d_silu(l2norm=True): D must be a multiple of {NORM_HEAD} (heads of "
+                         f"{NORM_HEAD} channels), got {x.shape[-1]}")
+    return "l2norm" if l2norm else "default"
 
 
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                       cu_seqlens: torch.Tensor, halo: torch.Tensor | None = None) -> torch.Tensor:
+                       cu_seqlens: torch.Tensor, halo: torch.Tensor | None = None, l2norm: bool = False) -> torch.Tensor:
     """silu(causal_conv1d(x)) over packed documents, differentiable in x, weight, bias and halo.
 
     x: [1, T, D] bf16 (D a multiple of 8), weight: [D, 4], bias: [D] or None,
     cu_seqlens: int32/int64 [N + 1] document boundaries, on the CPU (no host sync: what a CUDA
     graph capture needs) or x's device, halo: [N, 3, D] bf16 or None (the 3
     tokens before each segment; zeros where a segment starts its document). Returns y [1, T, D] bf16.
+    l2norm: y normalised per head of 128 channels in the same pass, y / sqrt(sum_head y^2 + 1e-6)
+    (kda_aot.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
     """
+    form = conv_form(x, l2norm)
     cu = _checked_boundaries(x, weight, bias, halo, cu_seqlens)
-    return _Conv1dSilu.apply(x, weight, bias, halo, cu)
+    return _Conv1dSilu.apply(x, weight, bias, halo, cu, form)

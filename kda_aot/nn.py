@@ -22,7 +22,7 @@ from .cp.exchange import check_agreement
 from .cp.halo import CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_facts
 from .cp.plan import CPPlan
-from .norm import WIDTH, l2norm, l2norm_torch
+from .norm import WIDTH, l2norm_torch
 
 __all__ = ["PackedKDA"]
 
@@ -75,20 +75,25 @@ class PackedKDA(nn.Module):
                 f"backward={self.backward_mode!r}, backend={self.backend!r}")
 
     # ------------------------------------------------------------------ pieces
+    def _fused_norm(self) -> bool:
+        """q and k normalised inside their conv (the CUDA backend's l2norm conv form, heads of 128)."""
+        return self.backend == "cuda" and self.qk_l2norm and self.head_dim == WIDTH
+
     def _conv_ops(self, x):
-        """(single-device conv(x, weight, bias, cu_seqlens), the CP conv's ops) of the backend."""
+        """(single-device conv(x, weight, bias, cu_seqlens, l2norm), the CP conv's ops for q, k, v)."""
         if self.backend == "cuda":
             from .conv import causal_conv1d_silu
 
-            def conv(x, w, b, cu_seqlens):
+            def conv(x, w, b, cu_seqlens, l2norm):
                 # a list or CPU tensor stays on the host: no copy, no sync (kda_aot.packing)
                 cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens,
                                                                                         dtype=torch.int32)
-                return causal_conv1d_silu(x, w, b, cu_seqlens=cu)
-            return conv, CudaConv()
+                return causal_conv1d_silu(x, w, b, cu_seqlens=cu, l2norm=l2norm)
+            fused = self._fused_norm()
+            return conv, [CudaConv(l2norm=fused), CudaConv(l2norm=fused), CudaConv()]
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
 
-        def conv(x, w, b, cu_seqlens):
+        def conv(x, w, b, cu_seqlens, l2norm):
             return reference.conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, dtype=dtype)
         return conv, ReferenceConv(dtype)
 
@@ -122,14 +127,15 @@ class PackedKDA(nn.Module):
         weights = [getattr(self, f"{name}_conv_weight") for name in "qkv"]
         biases = [getattr(self, f"{name}_conv_bias") for name in "qkv"]
         conv, cp_conv = self._conv_ops(q)
+        fused = self._fused_norm()
         if plan is None:
-            out = [conv(x, w, b, cu_seqlens) for x, w, b in zip((q, k, v), weights, biases)]
+            out = [conv(x, w, b, cu_seqlens, fused and name != "v")
+                   for x, w, b, name in zip((q, k, v), weights, biases, "qkv")]
         else:
             out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, group=group, conv=cp_conv, check=False)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
-        if self.qk_l2norm:  # the CUDA backend's fused pass (PyTorch's took ~60 ms of B3 on Q1)
-            norm = l2norm if self.backend == "cuda" and Dh == WIDTH else l2norm_torch
-            qc, kc = norm(qc), norm(kc)
+        if self.qk_l2norm and not fused:  # else normalised in the conv's pass (PyTorch's took ~60 ms of B3 on Q1)
+            qc, kc = l2norm_torch(qc), l2norm_torch(kc)
         return qc, kc, vc
 
     def forward(self, q, k, v, g, beta, *, cu_seqlens=None, plan: Optional[CPPlan] = None,

@@ -15,6 +15,7 @@ import torch
 from conftest import SEED, gpu
 from kda_aot import causal_conv1d_silu, reference, registry
 from kda_aot.conv import conv1d_silu_backward, conv1d_silu_forward
+from kda_aot.norm import L2NORM_EPS
 
 pytestmark = gpu
 BF16_REL = 2.0 ** -8
@@ -112,7 +113,8 @@ def test_no_bias_int64_cu():
 
 
 def variant_forms(program):
-    return [r["form"] for r in registry.records() if r["program"] == program and r["form"] != "default"]
+    """The test-only tilings (the shipped l2norm form computes something else: tested below)."""
+    return [r["form"] for r in registry.records() if r["program"] == program and r["form"] not in ("default", "l2norm")]
 
 
 @pytest.mark.parametrize("fwd_form,bwd_form", list(zip(variant_forms("conv1d_silu_fwd"),
@@ -129,6 +131,40 @@ def test_variant_forms_are_bitwise_equal(fwd_form, bwd_form, halo):
         assert torch.equal(a[4], s[4])
     assert_f32_close(s[2], a[2].double(), "dweight", rel=1e-5)
     assert_f32_close(s[3], a[3].double(), "dbias", rel=1e-5)
+
+
+def reference_norm_grads(x, w, b, cu, h, dy):
+    """fp64 conv, then the per-head L2 norm (kda_aot.norm's formula, eps 1e-6), and their gradients."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b, h)]
+    y = reference.conv1d_silu(leaves[0], leaves[1], leaves[2], cu_seqlens=cu.cpu(), halo=leaves[3])
+    heads = y.view(*y.shape[:-1], -1, 128)
+    yn = (heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + L2NORM_EPS)).view_as(y)
+    yn.backward(dy.double())
+    return (yn.detach(),) + tuple(None if t is None else t.grad for t in leaves)
+
+
+@pytest.mark.parametrize("name", ["tiny", "edges", "long"])
+@pytest.mark.parametrize("D", [128, 1024, 4096])
+@pytest.mark.parametrize("halo", [False, True])
+def test_l2norm_form_matches_reference(name, D, halo):
+    """The l2norm forms (conv + SiLU + per-head L2 norm in one pass, both ways) against the fp64 conv
+    followed by the fp64 norm: y and dx within the bf16 bound above (the norm's sums are fp32 before
+    the one rounding), dweight, dbias, dhalo within 1e-4; outputs poisoned, as everywhere here."""
+    x, w, b, cu, h, dy = pack(PACKS[name], D, rng(("l2norm", name, D, halo)), halo=halo)
+    y, dx, dw, db, dh = run_kernels(x, w, b, cu, h, dy, "l2norm", "l2norm")
+    ry, rdx, rdw, rdb, rdh = reference_norm_grads(x, w, b, cu, h, dy)
+    assert_bf16_close(y, ry, "y")
+    assert_bf16_close(dx, rdx, "dx")
+    assert_f32_close(dw, rdw, "dweight")
+    assert_f32_close(db, rdb, "dbias")
+    if halo:
+        assert_f32_close(dh, rdh, "dhalo")
+    # the autograd op picks the form
+    xl = x.clone().requires_grad_()
+    got = causal_conv1d_silu(xl, w, b, cu_seqlens=cu.cpu(), halo=h, l2norm=True)
+    assert torch.equal(got, y)
+    got.backward(dy)
+    assert torch.equal(xl.grad, dx)
 
 
 def test_two_runs_are_bitwise_equal():

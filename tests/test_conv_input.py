@@ -113,3 +113,21 @@ def test_malformed_descriptor_is_a_type_error():
     with pytest.raises(TypeError, match="weight: a tensor is required"):
         x, *_ = good()
         lib.launch(describe(x, "x"), None, None, None, None, None, 0)
+
+
+def test_l2norm_form_needs_whole_heads():
+    """The fused-norm form normalises heads of 128 channels: any other D is refused before any launch."""
+    x, w, b, cu, h = good(D=136)
+    with pytest.raises(ValueError, match="D must be a multiple of 128"):
+        causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h, l2norm=True)
+
+
+def test_l2norm_form_eps_is_the_norms():
+    """The l2norm records bake in kda_aot.norm.L2NORM_EPS (the same norm as the separate l2norm kernel)."""
+    from codegen.catalog import RECORDS
+    from kda_aot.norm import L2NORM_EPS
+    forms = [r for r in RECORDS if r.program.startswith("conv1d_silu") and r.params["l2norm"]]
+    assert {r.program for r in forms} == {"conv1d_silu_fwd", "conv1d_silu_bwd"}
+    for r in forms:
+        assert float(r.params["l2norm_eps"].rstrip("f")) == L2NORM_EPS
+        assert r.params["channels"] * 32 == 128  # one head per warp (static_assert in the template too)

@@ -164,20 +164,25 @@ class ReferenceConv:
 
 
 class CudaConv:
-    """The kernels of kda_aot.conv (bf16 x and y, fp32 taps, fp32 weight and halo gradients)."""
+    """The kernels of kda_aot.conv (bf16 x and y, fp32 taps, fp32 weight and halo gradients); l2norm:
+    the form with the per-head L2 norm fused (causal_conv1d_silu(l2norm=True))."""
+
+    def __init__(self, l2norm: bool = False):
+        self.l2norm = l2norm
 
     def out_dtype(self, x: torch.Tensor) -> torch.dtype:
         return x.dtype
 
     def forward(self, x, w, b, cu_seqlens, halo):
-        from ..conv import _checked_boundaries, _f32, conv1d_silu_forward
+        from ..conv import _checked_boundaries, _f32, conv1d_silu_forward, conv_form
         cu = _checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
-        return conv1d_silu_forward(x, _f32(w), _f32(b), cu, halo)
+        return conv1d_silu_forward(x, _f32(w), _f32(b), cu, halo, form=conv_form(x, self.l2norm))
 
     def backward(self, x, w, b, cu_seqlens, halo, dy):
-        from ..conv import _checked_boundaries, _f32, conv1d_silu_backward
+        from ..conv import _checked_boundaries, _f32, conv1d_silu_backward, conv_form
         cu = _checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
-        dx, dw, db, dhalo = conv1d_silu_backward(x, _f32(w), _f32(b), cu, dy.contiguous(), halo, need_dhalo=True)
+        dx, dw, db, dhalo = conv1d_silu_backward(x, _f32(w), _f32(b), cu, dy.contiguous(), halo, need_dhalo=True,
+                                                 form=conv_form(x, self.l2norm))
         return dx, dw.to(w.dtype), None if db is None else db.to(b.dtype), dhalo
 
 
@@ -190,26 +195,26 @@ class _ConvSiluCP(torch.autograd.Function):
     """y_i = conv(x_i, w_i, b_i, local segments, halo_i) for i = 1..n, the halos in one exchange each way."""
 
     @staticmethod
-    def forward(ctx, plan: CPPlan, group, conv, n: int, *tensors):
+    def forward(ctx, plan: CPPlan, group, convs, n: int, *tensors):
         xs, ws, bs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         halos = _halos(plan, group, xs)
         if plan.local_fragments:
-            ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for x, w, b, h in zip(xs, ws, bs, halos)]
+            ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for conv, x, w, b, h in zip(convs, xs, ws, bs, halos)]
         else:  # no token here: empty outputs, and the backward still joins the collective
-            ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for x in xs]
-        ctx.cfg = (plan, group, conv, n)
+            ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(convs, xs)]
+        ctx.cfg = (plan, group, convs, n)
         ctx.save_for_backward(*xs, *ws, *bs, *halos)
         return tuple(ys)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *dys):
-        plan, group, conv, n = ctx.cfg
+        plan, group, convs, n = ctx.cfg
         saved = ctx.saved_tensors
         xs, ws, bs, halos = (saved[i * n:(i + 1) * n] for i in range(4))
         if plan.local_fragments:
             parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
-                     for x, w, b, h, dy in zip(xs, ws, bs, halos, dys)]
+                     for conv, x, w, b, h, dy in zip(convs, xs, ws, bs, halos, dys)]
         else:
             parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
                      for x, w, b, h in zip(xs, ws, bs, halos)]
@@ -284,7 +289,8 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
     weights / biases: one per x ([D, 4], [D] or None). The halos of all of them travel in one
     all_gather, their gradients back in one more. conv: "reference" (kda_aot.reference in x's
-    dtype), "cuda" (the kernels, bf16) or an object with forward/backward like ReferenceConv.
+    dtype), "cuda" (the kernels, bf16), an object with forward/backward like ReferenceConv, or a
+    list of such objects, one per x (PackedKDA: CudaConv(l2norm=True) for q and k).
     Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns empty
     results that must still reach the loss (the backward is collective).
     check=False: the caller has run check_agreement with conv_facts already (PackedKDA: one
@@ -297,8 +303,11 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     if len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(weights)} weights and {len(biases)} biases")
     conv = {"reference": ReferenceConv, "cuda": CudaConv}[conv]() if isinstance(conv, str) else conv
+    convs = tuple(conv) if isinstance(conv, (list, tuple)) else (conv,) * len(xs)
+    if len(convs) != len(xs):
+        raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(convs)} conv ops")
     if check:
         facts, problem = conv_facts(xs, plan)
         group, _, _ = check_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
-    ys = _ConvSiluCP.apply(plan, group, conv, len(xs), *xs, *weights, *biases)
+    ys = _ConvSiluCP.apply(plan, group, convs, len(xs), *xs, *weights, *biases)
     return ys[0] if single else list(ys)

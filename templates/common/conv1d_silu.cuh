@@ -99,4 +99,21 @@ __device__ __forceinline__ float silu_grad(float p) {
   return s * (1.f + p * (1.f - s));
 }
 
+// Sum over the 32 lanes of a warp (butterfly: every lane gets the same bits). The fused L2-norm forms call it
+// with the whole warp on one token's head, which their warp-uniform tile walk guarantees.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// 1 / sqrt(sum over the head of y^2 + eps): this lane's C channels, then the warp's (C * 32 = 128 channels).
+template <int C>
+__device__ __forceinline__ float head_rstd(const float (&y)[C], float eps) {
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < C; ++c) ss = fmaf(y[c], y[c], ss);
+  return 1.f / sqrtf(warp_sum(ss) + eps);
+}
+
 }  // namespace kda
