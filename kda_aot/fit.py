@@ -219,6 +219,29 @@ def last_group_pieces(chain_lengths, first: tuple = ()) -> list | None:
     return [first + (n * p) // pieces for p in range(pieces + 1)]
 
 
+def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: bool = False):
+    """(group, chunk bounds) of the group the pipelined forward cuts in pieces (plan_pipeline(chain_lengths,
+    first)'s index), or None. One GPU: the last group (last_group_pieces). Context parallelism (cp): the
+    one-segment group of the longest chain that is neither sent (first) nor deferred - the rank's
+    critical walk there, as a CP rank holds half the tokens but whole long documents (session 9, CP2 Q1
+    contiguous: rank 1's 1,216-chunk document waited 2.77 ms for its whole chunk stage, then walked
+    5.24 ms); its first piece launches ahead of everything (kda._pipelined)."""
+    lengths = [int(n) for n in chain_lengths]
+    groups = plan_pipeline(lengths, first)
+    if not cp:
+        bounds = last_group_pieces(lengths, first)
+        return None if bounds is None else (len(groups) - 1, bounds)
+    candidates = [i for i, (a, b) in enumerate(groups) if b - a == 1 and a not in first and a not in deferred
+                  and lengths[a] >= 2 * MIN_PIECE_CHUNKS]
+    if len(groups) < 2 or not candidates:
+        return None
+    i = max(candidates, key=lambda g: (lengths[groups[g][0]], -g))
+    a = groups[i][0]
+    n, pieces = lengths[a], min(LAST_GROUP_PIECES, lengths[a] // MIN_PIECE_CHUNKS)
+    start = sum(lengths[:a])
+    return i, [start + (n * p) // pieces for p in range(pieces + 1)]
+
+
 # The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/lean took
 # 12.71 ms for Q1's 3,907 chunks x 32 heads (session 6, bench/forms_ab.py chunk, bench/NOTES.md).
 CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102

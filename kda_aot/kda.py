@@ -241,49 +241,51 @@ def _pipeline_on(pipeline=None) -> bool:
     return os.environ.get("KDA_AOT_PIPELINE", "1") == "1" if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, last_pieces=None,
-               before_join=None, first: tuple = ()):
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, pieced=None,
+               before_join=None, first: tuple = (), lead: bool = False):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. last_pieces (the forward): the chunk
-    bounds (device int32) of the pieces the last group's one segment is cut into
-    (fit.last_group_pieces): its chunk stage a piece at a time, each followed by
-    launch_group(i, first, end, streams, piece) for that piece. before_join(groups, streams): called
+    walks run beside the chunk stage of the groups after it. pieced (the forward): (group, chunk
+    bounds on the device (int32), on the host) of the group whose one segment is cut in pieces
+    (fit.pieced_group): its chunk stage a piece at a time, each followed by
+    launch_group(i, first, end, streams, (piece, device bounds)) for that piece; lead: its first
+    piece goes ahead of every other group, its others right after the `first` ones (context
+    parallelism), else they go where the group does. before_join(groups, streams): called
     once every launch is queued, before the side streams are joined (its launches on the current
     stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
-    segments that go first (and the last group's first piece before them). The side streams are
-    joined back into the current stream, also when a launch raises: queued work may still read the
-    caller's tensors."""
+    segments that go first. The side streams are joined back into the current stream, also when a
+    launch raises: queued work may still read the caller's tensors."""
     q = prepared["q"]
     groups = fit.plan_pipeline(prepared["chain_lengths"], first)
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
     main = torch.cuda.current_stream(q.device)
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
-    last = len(groups) - 1
-    # (group, piece or None) in launch order; with senders (first) the last group's first piece goes
-    # ahead of everything: its walk, the rank's long chain, then starts at once instead of after the
-    # senders' chunk stage (session 9, CP2 Q1 contiguous rank 0: 0.85 ms of it)
-    launches = [(i, None) for i in range(last)]
-    if last_pieces is None:
-        launches.append((last, None))
-    else:
-        pieces = [(last, p) for p in range(len(last_pieces[1]) - 1)]
-        launches = pieces[:1] + launches + pieces[1:] if first else launches + pieces
+    # (group, piece or None) in launch order
+    launches = [(i, None) for i in range(len(groups))]
+    if pieced is not None:
+        k, bounds = pieced[0], pieced[2]
+        pieces = [(k, p) for p in range(len(bounds) - 1)]
+        at = launches.index((k, None))
+        if lead:  # the rank's critical walk starts at once; the senders' chunk stage right after its first piece
+            rest = [g for g in launches if g != (k, None)]
+            launches = pieces[:1] + rest[:len(first)] + pieces[1:] + rest[len(first):]
+        else:
+            launches = launches[:at] + pieces + launches[at + 1:]
     try:
         for i, p in launches:
             a, b = groups[i]
             if p is None:
                 _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
             else:
-                bounds = last_pieces[1]
+                bounds = pieced[2]
                 _launch_chunk_stage(prepared, chunk_form, initial_state, bounds[p], bounds[p + 1])
             for pool in streams:
                 pool[i].wait_stream(main)
             if p is None:
                 launch_group(i, a, b, [pool[i] for pool in streams])
             else:
-                launch_group(i, a, b, [pool[i] for pool in streams], (p, last_pieces[0]))
+                launch_group(i, a, b, [pool[i] for pool in streams], (p, pieced[1]))
         if before_join is not None:
             before_join(groups, [[pool[i] for pool in streams] for i in range(len(groups))])
     finally:
@@ -311,18 +313,20 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     sms = _sm_count(q.device)
     lengths = prepared["chain_lengths"]
     deferred, first = sorted(deferred), tuple(sorted(senders))
-    # The last group's segment in pieces (its walk would otherwise start only once its whole chunk
-    # stage is done and then run alone: the tail of the forward): piece p's walk starts from piece
-    # p - 1's end state (fp32, stored and loaded exactly: bitwise the one walk). Not when that
-    # segment's walk is deferred (it waits for the exchange).
-    bounds = fit.last_group_pieces(lengths, first)
-    if bounds is not None and fit.plan_pipeline(lengths, first)[-1][0] in deferred:
-        bounds = None
-    pieces = None
-    if bounds is not None:
+    # One group's segment in pieces (fit.pieced_group; one GPU: the last group, whose walk would
+    # otherwise start only once its whole chunk stage is done and then run alone at the end; CP: the
+    # rank's longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored
+    # and loaded exactly: bitwise the one walk). Never a deferred segment (it waits for the exchange).
+    cp = entering is not None
+    chosen = fit.pieced_group(lengths, first, tuple(deferred), cp)
+    if chosen is not None and not cp and fit.plan_pipeline(lengths, first)[chosen[0]][0] in deferred:
+        chosen = None
+    pieces = bounds = None
+    if chosen is not None:
+        bounds = chosen[1]
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
         handoff = torch.empty(len(bounds) - 2, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
-        pieces = (piece_chunks, bounds)
+        pieces = (chosen[0], piece_chunks, bounds)
 
     def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
@@ -366,7 +370,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                            want_output=want_output, pool="kda_fwd_tape/deferred")
             start += n
     _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces,
-               walk_deferred if entering is not None else None, first)
+               walk_deferred if entering is not None else None, first, lead=cp)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None

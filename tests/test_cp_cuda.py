@@ -112,8 +112,9 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
 @pytest.mark.parametrize("lens,deferred,senders", [([65, 1, 300, 700, 2300], [0], [4]),
                                                    ([65, 1, 300, 700, 2300], [0, 3], [1, 2]),
                                                    ([65, 1, 300, 700, 2300], [], []),
-                                                   ([6000, 900], [], [1])],  # the last group's piece 0 first
-                         ids=["sender-last", "two-senders", "none", "lead-piece"])
+                                                   ([6000, 900], [], [1]),  # the pieced group's piece 0 first
+                                                   ([900, 6000, 900], [0], [2])],  # a middle group pieced
+                         ids=["sender-last", "two-senders", "none", "lead-piece", "pieced-middle"])
 def test_pipelined_forward_is_bitwise_prepare_then_forward(lens, deferred, senders):
     """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE, the default: the walks of the segments whose
     entering state is known beside the chunk stage, the senders' first, the deferred ones from what

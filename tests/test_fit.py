@@ -248,3 +248,13 @@ def test_rewalk_beside():
     assert fit.rewalk_beside((1584, 368), (0, 1), 32, 132) is None  # nothing to run beside
     assert fit.rewalk_beside((1584, 368), (), 32, 132) is None
     assert fit.rewalk_beside(tuple([40] * 8) + (2000,), tuple(range(8)), 32, 132) is None  # 256 chains
+
+
+def test_pieced_group():
+    """One GPU: the last group when it is one segment; CP: the longest chain neither sent nor deferred."""
+    assert fit.pieced_group((1585, 641, 1216, 465)) == (3, fit.last_group_pieces((1585, 641, 1216, 465)))
+    assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [0, 396, 792, 1188, 1584])  # CP2 Q1 rank 0
+    assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272, 576, 880, 1184, 1488])  # rank 1
+    assert fit.pieced_group((272, 1216, 465), (), (1,), True) == (1, [1488, 1604, 1720, 1836, 1953])
+    assert fit.pieced_group((272, 10), (), (0,), True) is None  # too short to cut
+    assert fit.pieced_group((700,), (), (), True) is None       # one group: no pipeline

@@ -199,8 +199,8 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
 @pytest.mark.parametrize("lens,deferred,senders", [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]),
                                                    ([40] * 30 + [900, 5], [], [31]),
                                                    ([40] * 30 + [900, 5], [30], [0, 31]), ([700], [], [0]),
-                                                   ([2000, 300], [], [1])],
-                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender", "lead-piece"])
+                                                   ([2000, 300], [], [1]), ([300, 2000, 300], [0], [2])],
+                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender", "lead-piece", "pieced-middle"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep):
     """The CUDA CP backend's forward_pipelined (KDA_AOT_CP_PIPELINE, the default): the walks of the
