@@ -237,9 +237,24 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
         return None
     i = max(candidates, key=lambda g: (lengths[groups[g][0]], -g))
     a = groups[i][0]
-    n, pieces = lengths[a], min(LAST_GROUP_PIECES, lengths[a] // MIN_PIECE_CHUNKS)
+    n, pieces = lengths[a], min(CP_PIECES, lengths[a] // MIN_PIECE_CHUNKS)
     start = sum(lengths[:a])
     return i, [start + (n * p) // pieces for p in range(pieces + 1)]
+
+
+# The CP forward cuts the rank's critical chain into this many pieces, and launches the senders'
+# chunk stage after the first half of them: the walk trails the chunk stage by (walk - chunk stage)
+# per piece (session 9, CP2 Q1 contiguous rank 0: 1.73 against 1.2 ms per quarter of its 1,584-chunk
+# document), so by then it has slack for the senders' chunk stage (1.11 ms there) instead of stalling
+# for it (0.76 ms right after the first quarter); the other rank still gets the senders' exit states
+# before its own walks are done. Smaller pieces also start the walk sooner (the first piece's chunk
+# stage runs alone).
+CP_PIECES = 8
+
+
+def lead_pieces(pieces: int) -> int:
+    """How many of the CP pieced group's pieces launch before the senders' groups (kda._pipelined)."""
+    return max(1, pieces // 2)
 
 
 # The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/lean took

@@ -249,9 +249,9 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     walks run beside the chunk stage of the groups after it. pieced (the forward): (group, chunk
     bounds on the device (int32), on the host) of the group whose one segment is cut in pieces
     (fit.pieced_group): its chunk stage a piece at a time, each followed by
-    launch_group(i, first, end, streams, (piece, device bounds)) for that piece; lead: its first
-    piece goes ahead of every other group, its others right after the `first` ones (context
-    parallelism), else they go where the group does. before_join(groups, streams): called
+    launch_group(i, first, end, streams, (piece, device bounds)) for that piece; lead (context
+    parallelism): its first fit.lead_pieces pieces go ahead of every other group, the others right
+    after the `first` ones; else they go where the group does. before_join(groups, streams): called
     once every launch is queued, before the side streams are joined (its launches on the current
     stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
     segments that go first. The side streams are joined back into the current stream, also when a
@@ -267,9 +267,10 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
         k, bounds = pieced[0], pieced[2]
         pieces = [(k, p) for p in range(len(bounds) - 1)]
         at = launches.index((k, None))
-        if lead:  # the rank's critical walk starts at once; the senders' chunk stage right after its first piece
+        if lead:  # the rank's critical walk starts at once; the senders' chunk stage once it has slack (fit)
             rest = [g for g in launches if g != (k, None)]
-            launches = pieces[:1] + rest[:len(first)] + pieces[1:] + rest[len(first):]
+            h = fit.lead_pieces(len(pieces))
+            launches = pieces[:h] + rest[:len(first)] + pieces[h:] + rest[len(first):]
         else:
             launches = launches[:at] + pieces + launches[at + 1:]
     try:
@@ -675,12 +676,14 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=()):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
     the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
     chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
-    bound by the sum of its kernels' SM time, bench/NOTES.md.)"""
+    bound by the sum of its kernels' SM time, bench/NOTES.md.) skip_bwd (context parallelism):
+    segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
+    the caller walks them again anyway, with exit-state gradients it does not have yet."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
@@ -701,10 +704,11 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
                            sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
                            pool=f"kda_fwd_tape/replay{i}")
         with torch.cuda.stream(streams[1]):
-            chunk_kda_bwd_walk(view, do, None if dht is None else dht[a:b],
-                               out={"dtape": dtape, "dinitial_state": dh0[a:b]},
-                               sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
-                               pool=f"kda_bwd_tape/replay{i}")
+            for ra, rb in segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
+                chunk_kda_bwd_walk(segments_view(prepared, ra, rb), do, None if dht is None else dht[ra:rb],
+                                   out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
+                                   sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
+                                   pool=f"kda_bwd_tape/replay{i}")
     _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 

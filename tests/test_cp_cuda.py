@@ -142,7 +142,8 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(lens, deferred, sende
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["walk-first", "beside-bwd-chunk"])
-def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch, beside):
+@pytest.mark.parametrize("skip", [False, True], ids=["walked", "skip-bwd"])
+def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch, beside, skip):
     """The CP replay backward (replay_pipelined: the chunk stage a segment group at a time beside the
     forward walk and the backward walk, the latter with its tape from the exit-state gradients known
     locally; then backward(walk=, rewalk=): the segments whose gradient arrives from other ranks
@@ -160,8 +161,9 @@ def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch,
     known[remote] = 0
     ctx_a, d_a = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, known)
     grads_a = cuda.backward(ctx_a, do, true)
-    ctx_b, walk = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known)
-    assert torch.equal(walk[1], d_a)
+    ctx_b, walk = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known, remote if skip else ())
+    walked = [i for i in range(len(lens)) if not (skip and i in remote)]  # skip: the remote rows unwritten
+    assert torch.equal(walk[1][walked], d_a[walked])
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name
     for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk, rewalk=remote)):

@@ -253,8 +253,11 @@ def test_rewalk_beside():
 def test_pieced_group():
     """One GPU: the last group when it is one segment; CP: the longest chain neither sent nor deferred."""
     assert fit.pieced_group((1585, 641, 1216, 465)) == (3, fit.last_group_pieces((1585, 641, 1216, 465)))
-    assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [0, 396, 792, 1188, 1584])  # CP2 Q1 rank 0
-    assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272, 576, 880, 1184, 1488])  # rank 1
-    assert fit.pieced_group((272, 1216, 465), (), (1,), True) == (1, [1488, 1604, 1720, 1836, 1953])
+    assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [198 * p for p in range(9)])  # CP2 Q1 rank 0
+    assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272 + 152 * p for p in range(9)])  # rank 1
+    assert fit.pieced_group((272, 1216, 465), (), (1,), True)[1][:2] == [1488, 1546]
+    assert fit.pieced_group((272, 40), (1,), (0,), True) is None  # only the deferred and the sent one
+    assert fit.pieced_group((272, 20, 10), (), (0,), True) == (1, [272, 282, 292])  # 2 pieces of >= 8 chunks
     assert fit.pieced_group((272, 10), (), (0,), True) is None  # too short to cut
+    assert [fit.lead_pieces(n) for n in (2, 3, 8)] == [1, 1, 4]
     assert fit.pieced_group((700,), (), (), True) is None       # one group: no pipeline

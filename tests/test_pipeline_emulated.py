@@ -239,14 +239,17 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
                                          ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], [])],
                          ids=["2", "6", "32-long", "32-none"])
 @pytest.mark.parametrize("beside", [False, True], ids=["walk-first", "beside-bwd-chunk"])
-def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote, beside):
+@pytest.mark.parametrize("skip", [False, True], ids=["walked", "skip-bwd"])
+def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote, beside, skip):
     """The CP replay backward: replay_pipelined (the chunk stage and both walks pipelined, the backward
     walk in full from the exit-state gradients known locally: zero for the `remote` segments), D from
     it; then backward(walk=, rewalk=): the remote segments walked again with their true gradients,
     first or beside kda_bwd_chunk over the others' chunks (fit.rewalk_beside; both forced here: in
     launch order, so a kda_bwd_chunk launch over a remote segment before its walk fails). Against
     prepare(), replay() (D from the offset walk) then backward() with the true gradients: the saved
-    context, D and every gradient bitwise."""
+    context, D and every gradient bitwise. skip: the remote segments' first backward walk left out
+    (replay_pipelined(skip_bwd=): what the CP op does for fragments whose D nobody wants; their rows
+    stay NaN-poisoned, so a gradient that read them fails)."""
     monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)
@@ -256,8 +259,9 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
     known[remote] = 0
     ctx_a, d_a = backend.replay(backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=True), h0, do, known)
     grads_a = backend.backward(ctx_a, do, true)
-    ctx_b, walk = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, known)
-    assert torch.equal(walk[1], d_a)
+    ctx_b, walk = backend.replay_pipelined(q, k, v, g, beta, bounds, 0.1, h0, do, known, remote if skip else ())
+    walked = [i for i in range(len(lens)) if not (skip and i in remote)]
+    assert torch.equal(walk[1][walked], d_a[walked])
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma", "chunks", "seg_chunks"):
         assert not ctx_b[name].is_floating_point() or not torch.isnan(ctx_b[name]).any(), name
         assert torch.equal(ctx_a[name], ctx_b[name]), name

@@ -202,17 +202,19 @@ class CudaBackend:
         return o, finals, (saved if keep else None)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
-                         do: torch.Tensor, dfinals: torch.Tensor):
+                         do: torch.Tensor, dfinals: torch.Tensor, skip_bwd: Sequence[int] = ()):
         """prepare() then replay() in the single-GPU replay's pipelined order (kda._replay_walks_pipelined):
         the chunk stage a segment group at a time, each group's forward walk and backward walk beside
         the later groups' chunk stage. The backward walk runs in full (its tape too) from `dfinals`:
         returns (saved context, [dtape, D]); D has replay()'s bits, and the segments whose exit-state
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
-        others again)."""
+        others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
+        and backward(rewalk=) walks them anyway): their rows of the walk are unwritten."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
-                                       do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous())
+                                       do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
+                                       tuple(skip_bwd))
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;

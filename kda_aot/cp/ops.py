@@ -289,8 +289,11 @@ class _ChunkKdaCP(torch.autograd.Function):
                         # too) from the exit-state gradients known here: the fragments that end their
                         # document are done with it, the others walk again once theirs arrive (rewalk);
                         # the saved context holds the chunk stage's outputs, which the summaries read
+                        # fragments that start their document and continue it on another rank: their walk
+                        # waits for the true exit-state gradient (rewalk below) and no D is wanted of them
                         lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
-                                                      do, known)
+                                                      do, known, [f.segment for f in local
+                                                                  if not f.is_last and not f.needs_state])
                         first_pass, prepared = walk[1], lctx
                     else:
                         prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
