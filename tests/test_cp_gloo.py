@@ -79,7 +79,7 @@ SWEEP = {2: list(PACKS), 3: list(PACKS), 4: list(PACKS) + ["specks"], 8: ["long"
 PACKS["specks"] = [5, 11]  # T = 16: W = 4 and 8 only (contiguous and zigzag need T % 2W == 0)
 FP64_PACKS = {2: ["mixed"], 3: ["random"], 4: ["short"], 8: ["tiny"]}
 ERROR_VARIANTS = ["cu_seqlens", "layout", "local_shape", "heads", "wrong_rank", "world_size",
-                  "halo_layout"]
+                  "halo_layout", "module_local_shape", "module_heads"]
 ERROR_WORLDS = (2, 3)
 
 
@@ -363,7 +363,8 @@ def check_error(res, W, variant):
         expect = {"cu_seqlens": "disagree on cu_seqlens", "layout": "disagree on layout",
                   "local_shape": "local tokens", "heads": "disagree on H",
                   "wrong_rank": "the plan was built for rank",
-                  "world_size": "disagree on world_size", "halo_layout": "disagree on layout"}
+                  "world_size": "disagree on world_size", "halo_layout": "disagree on layout",
+                  "module_local_shape": "for rank", "module_heads": "disagree on H"}
         assert expect[variant] in msg, msg
         assert out["after"] == W * (W - 1) // 2, "the group is out of step after the error"
 
