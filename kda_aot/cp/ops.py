@@ -4,6 +4,10 @@ Forward (per call, on every rank of the group, in the same order):
     agreement check -> summaries of the local fragments that others wait for -> exchange
     (one all_gather, fp32) -> compose the entering state of every local fragment -> local
     chunked forward with those states -> o (+ final states of the documents that end here).
+    A backend with forward_pipelined (CUDA; the default order, _pipeline_on) runs it as one GPU
+    runs its forward: the chunk stage a group at a time beside the walks that need no entering
+    state - the ones whose exit state others wait for first, that state being their walk's final
+    state - then the middle fragments' summaries and the exchange, then the remaining walks.
 Backward (mirrors it, see summaries.py for the maths and why no gradient through M is needed):
     the local entering-state gradients with dS_out = 0, D (only where a fragment's entering-state
     gradient is wanted by a fragment before it; the backend's state walk alone, so that the
@@ -288,9 +292,9 @@ class _ChunkKdaCP(torch.autograd.Function):
                         # the chunk stage and both walks pipelined, the backward walk in full (its tape
                         # too) from the exit-state gradients known here: the fragments that end their
                         # document are done with it, the others walk again once theirs arrive (rewalk);
-                        # the saved context holds the chunk stage's outputs, which the summaries read
-                        # fragments that start their document and continue it on another rank: their walk
-                        # waits for the true exit-state gradient (rewalk below) and no D is wanted of them
+                        # those that also start their document here are left out of this first walk (no
+                        # D is wanted of them). The saved context holds the chunk stage's outputs, which
+                        # the summaries read.
                         lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
                                                       do, known, [f.segment for f in local
                                                                   if not f.is_last and not f.needs_state])
