@@ -23,7 +23,7 @@ import torch
 
 from .plan import CPPlan, Fragment
 
-__all__ = ["resolve_group", "check_agreement", "exchange", "gather"]
+__all__ = ["resolve_group", "check_agreement", "exchange", "gather", "gather_flat"]
 
 
 def resolve_group(group=None):
@@ -51,6 +51,17 @@ def _device_for(group, like: Optional[torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
+def gather_flat(mine: torch.Tensor, world: int, group) -> torch.Tensor:
+    """Collective: every rank's `mine` (same shape everywhere) one after the other in one flat tensor
+    (one output buffer: no per-rank tensors to allocate and copy out, as the list all_gather does)."""
+    import torch.distributed as dist
+    out = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+    # all_gather_single (torch >= 2.13) is all_gather_into_tensor renamed; the older name is deprecated there
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather(out, mine.reshape(-1), group=group)
+    return out
+
+
 def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
                     local_error: Optional[str] = None, like: Optional[torch.Tensor] = None):
     """Collective: every rank of `group` must call this with the same `op` and plan-level
@@ -74,9 +85,7 @@ def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
     words = [1 if local_error else 0] + list(struct.unpack("<4q", digest))
     device = _device_for(group, like)
     mine = torch.tensor(words, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone).cpu()
+    table = gather_flat(mine, world, group).view(world, -1).cpu()
     if bool(table[:, 0].any()) or bool((table[:, 1:] != table[0, 1:]).any()):
         # Every rank sees the same table, so every rank takes this branch: the object gather
         # below cannot hang.
@@ -132,8 +141,7 @@ def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
                                  f"the plan says {n}")
         mine[offset:offset + n] = payload.to(device=device, dtype=dtype)
         offset += n
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
+    everyone = gather_flat(mine, world, group).view(world, width)
     out = {}
     for r, fs in enumerate(per_rank):
         offset = 0
@@ -162,7 +170,6 @@ def gather(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
     x = x_local.detach().to(device)
     padded = x.new_zeros((1, width) + tuple(x.shape[2:]))
     padded[:, :n] = x
-    everyone = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(everyone, padded, group=group)
+    everyone = gather_flat(padded.contiguous(), world, group).view(world, *padded.shape)
     parts = [p[:, :plan.num_tokens_of(r)] for r, p in enumerate(everyone)]
     return plan.unshard(parts).to(x_local.device)
