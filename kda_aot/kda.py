@@ -264,29 +264,27 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     # (group, piece or None) in launch order
     launches = [(i, None) for i in range(len(groups))]
     if pieced is not None:
-        k, bounds = pieced[0], pieced[2]
+        k, device_bounds, bounds = pieced
         pieces = [(k, p) for p in range(len(bounds) - 1)]
-        at = launches.index((k, None))
+        rest = [g for g in launches if g != (k, None)]
         if lead:  # the rank's critical walk starts at once; the senders' chunk stage once it has slack (fit)
-            rest = [g for g in launches if g != (k, None)]
             h = fit.lead_pieces(len(pieces))
             launches = pieces[:h] + rest[:len(first)] + pieces[h:] + rest[len(first):]
         else:
-            launches = launches[:at] + pieces + launches[at + 1:]
+            launches = rest[:k] + pieces + rest[k:]
     try:
         for i, p in launches:
             a, b = groups[i]
             if p is None:
                 _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
             else:
-                bounds = pieced[2]
                 _launch_chunk_stage(prepared, chunk_form, initial_state, bounds[p], bounds[p + 1])
             for pool in streams:
                 pool[i].wait_stream(main)
             if p is None:
                 launch_group(i, a, b, [pool[i] for pool in streams])
             else:
-                launch_group(i, a, b, [pool[i] for pool in streams], (p, pieced[1]))
+                launch_group(i, a, b, [pool[i] for pool in streams], (p, device_bounds))
         if before_join is not None:
             before_join(groups, [[pool[i] for pool in streams] for i in range(len(groups))])
     finally:
@@ -319,9 +317,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     # rank's longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored
     # and loaded exactly: bitwise the one walk). Never a deferred segment (it waits for the exchange).
     cp = entering is not None
-    chosen = fit.pieced_group(lengths, first, tuple(deferred), cp)
-    if chosen is not None and not cp and fit.plan_pipeline(lengths, first)[chosen[0]][0] in deferred:
-        chosen = None
+    chosen = fit.pieced_group(lengths, first, tuple(deferred), cp)  # one GPU defers nothing
     pieces = bounds = None
     if chosen is not None:
         bounds = chosen[1]

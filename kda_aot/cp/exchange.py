@@ -114,7 +114,6 @@ def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
     order (one copy instead of one per fragment; None when this rank publishes nothing).
     Returns {fragment index: flat payload} for the publishing fragments of every rank.
     """
-    import torch.distributed as dist
     world = plan.world_size
     per_rank = [[f for f in plan.fragments_of(r) if size_of(f) > 0] for r in range(world)]
     totals = [sum(size_of(f) for f in fs) for fs in per_rank]
@@ -157,7 +156,6 @@ def gather(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
 
     For tests and for collecting outputs or gradients; not differentiable (the result is
     detached). Ranks hold different token counts, so parts are padded to the largest one."""
-    import torch.distributed as dist
     n = plan.num_local_tokens
     problem = None
     if x_local.dim() < 2 or x_local.shape[0] != 1 or x_local.shape[1] != n:
