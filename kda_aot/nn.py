@@ -18,7 +18,7 @@ from torch import nn
 
 from . import reference
 from .cp.backends import ReferenceBackend
-from .cp.exchange import check_agreement
+from .cp.exchange import post_agreement
 from .cp.halo import CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_facts
 from .cp.plan import CPPlan
@@ -116,13 +116,15 @@ class PackedKDA(nn.Module):
         [1, T, H, head_dim]: fp32 (fp64 for fp64 inputs) on the reference backend, the input
         dtype on the CUDA backend."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
+        agreement = None
         if plan is not None:
             facts, problem = conv_facts([q, k, v], plan)
-            group, _, _ = check_agreement("PackedKDA.conv_qkv", plan, group, facts, problem, q)
-        return self._conv_qkv(q, k, v, cu_seqlens, plan, group)
+            agreement = post_agreement("PackedKDA.conv_qkv", plan, group, facts, problem, q)
+        return self._conv_qkv(q, k, v, cu_seqlens, plan, agreement)
 
-    def _conv_qkv(self, q, k, v, cu_seqlens, plan, group):
-        """conv_qkv once the ranks have agreed (under CP: one all_gather each way for the three halos)."""
+    def _conv_qkv(self, q, k, v, cu_seqlens, plan, agreement):
+        """conv_qkv with the ranks' agreement posted (under CP: the tails gathered before it is read, then
+        one all_gather each way for the three halos)."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
         weights = [getattr(self, f"{name}_conv_weight") for name in "qkv"]
         biases = [getattr(self, f"{name}_conv_bias") for name in "qkv"]
@@ -132,7 +134,7 @@ class PackedKDA(nn.Module):
             out = [conv(x, w, b, cu_seqlens, fused and name != "v")
                    for x, w, b, name in zip((q, k, v), weights, biases, "qkv")]
         else:
-            out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, group=group, conv=cp_conv, check=False)
+            out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, conv=cp_conv, agreement=agreement)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
         if self.qk_l2norm and not fused:  # else normalised in the conv's pass (PyTorch's took ~60 ms of B3 on Q1)
             qc, kc = l2norm_torch(qc), l2norm_torch(kc)
@@ -169,8 +171,8 @@ class PackedKDA(nn.Module):
     def _forward_cp(self, q, k, v, g, beta, plan, group, scale, initial_state, output_final_state):
         """Under CP: ONE agreement check for the whole call (the conv's facts and KDA's; each check is
         a host sync, and the GPU idles while the host launches what follows one: session 9's CP2
-        timeline lost ~6 ms of Q1's 10.6 ms conv + norm prelude to four of them), then the conv with
-        its halos and chunk_kda_cp."""
+        timeline lost ~6 ms of Q1's 10.6 ms conv + norm prelude to four of them), posted first and read
+        once the conv's local work is queued, then the conv with its halos and chunk_kda_cp."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
         if self.backend == "cuda":
             from .cp.backends import CudaBackend
@@ -181,9 +183,9 @@ class PackedKDA(nn.Module):
         backend, facts, problem, scale = kda_facts(*heads, g, beta, initial_state, plan, scale, self.backward_mode,
                                                    backend)
         conv_known, conv_problem = conv_facts([q, k, v], plan)
-        group, _, _ = check_agreement("PackedKDA", plan, group, {**conv_known, **facts}, conv_problem or problem, q)
-        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, group)
-        o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
+        agreement = post_agreement("PackedKDA", plan, group, {**conv_known, **facts}, conv_problem or problem, q)
+        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, agreement)
+        o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=agreement.group, scale=scale,
                                        initial_state=initial_state, output_final_state=output_final_state,
                                        backward=self.backward_mode, backend=backend)
         return o.to(q.dtype), final

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .plan import CPPlan, Fragment
 
-__all__ = ["resolve_group", "check_agreement", "exchange", "gather", "gather_flat"]
+__all__ = ["resolve_group", "check_agreement", "post_agreement", "Agreement", "exchange", "exchange_flat",
+           "payload_layout", "gather", "gather_flat"]
 
 
 def resolve_group(group=None):
@@ -62,6 +63,71 @@ def gather_flat(mine: torch.Tensor, world: int, group) -> torch.Tensor:
     return out
 
 
+class Agreement:
+    """A posted agreement check (post_agreement): the fingerprints' all_gather is queued; wait() reads
+    it. In between the caller may queue LOCAL work only (no collective; nothing that a bad local
+    argument makes unsafe): the GPU runs it while the host would otherwise sit in a sync and then
+    launch it into an idle GPU - session 10's CP2 timeline had 1.85 ms of such idle before the first
+    conv of every step."""
+
+    def __init__(self, op, group, rank, world, local_error, described, table, ready):
+        self.op, self.group, self.rank, self.world = op, group, rank, world
+        self.local_error, self.described = local_error, described
+        self._table, self._ready = table, ready  # host table (pinned, filled when `ready` fires)
+
+    @property
+    def locally_ok(self) -> bool:
+        """This rank found nothing wrong with its own arguments (local work may be queued)."""
+        return self.local_error is None
+
+    def wait(self):
+        """Raises ValueError on every rank if any rank reported an error or the fingerprints differ
+        (the message names the ranks and what differs). Returns (group, rank, world size)."""
+        import torch.distributed as dist
+        if self._ready is not None:
+            self._ready.synchronize()  # the gather and its copy only, not the work queued after them
+        table, world = self._table, self.world
+        if bool(table[:, 0].any()) or bool((table[:, 1:] != table[0, 1:]).any()):
+            # Every rank sees the same table, so every rank takes this branch: the object gather
+            # below cannot hang.
+            reports = [None] * world
+            dist.all_gather_object(reports, (self.local_error, self.described), group=self.group)
+            lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
+            for key in self.described:
+                values = [d.get(key) for _, d in reports]
+                if any(v != values[0] for v in values):
+                    lines.append(f"ranks disagree on {key}: "
+                                 + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
+            raise ValueError(f"kda_aot.cp.{self.op}: the ranks of the process group cannot run this call "
+                             f"together (raised on every rank):\n  " + "\n  ".join(lines))
+        return self.group, self.rank, self.world
+
+
+def post_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
+                   local_error: Optional[str] = None, like: Optional[torch.Tensor] = None) -> Agreement:
+    """Collective: check_agreement in two halves - the fingerprints' all_gather queued now, read by
+    the returned Agreement's wait(). Every rank must call wait() before its next collective."""
+    group, rank, world = resolve_group(group)
+    if local_error is None and (plan.world_size != world or plan.rank != rank):
+        local_error = (f"the plan was built for rank {plan.rank} of {plan.world_size} but this is "
+                       f"rank {rank} of a group of {world}")
+    described = {"op": op, "layout": plan.layout, "world_size": plan.world_size,
+                 "chunk_size": plan.chunk_size, "cu_seqlens": plan.digest}
+    described.update({k: repr(v) for k, v in sorted(facts.items())})
+    digest = hashlib.sha256(repr(sorted(described.items())).encode()).digest()
+    words = [1 if local_error else 0] + list(struct.unpack("<4q", digest))
+    device = _device_for(group, like)
+    table = gather_flat(torch.tensor(words, dtype=torch.int64).to(device), world, group).view(world, -1)
+    ready = None
+    if table.is_cuda:
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        table = host
+    return Agreement(op, group, rank, world, local_error, described, table, ready)
+
+
 def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
                     local_error: Optional[str] = None, like: Optional[torch.Tensor] = None):
     """Collective: every rank of `group` must call this with the same `op` and plan-level
@@ -71,35 +137,43 @@ def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
     Raises ValueError on every rank if any rank reported an error or the fingerprints differ;
     the message names the ranks and what differs. Returns (group, rank, world size).
     """
-    import torch.distributed as dist
-    group, rank, world = resolve_group(group)
-    if local_error is None and (plan.world_size != world or plan.rank != rank):
-        local_error = (f"the plan was built for rank {plan.rank} of {plan.world_size} but this is "
-                       f"rank {rank} of a group of {world}")
-    described = {"op": op, "layout": plan.layout, "world_size": plan.world_size,
-                 "chunk_size": plan.chunk_size,
-                 "cu_seqlens": f"sha256 {hashlib.sha256(repr(plan.cu_seqlens).encode()).hexdigest()[:12]}"
-                               f" (T = {plan.total_tokens}, {plan.num_docs} documents)"}
-    described.update({k: repr(v) for k, v in sorted(facts.items())})
-    digest = hashlib.sha256(repr(sorted(described.items())).encode()).digest()
-    words = [1 if local_error else 0] + list(struct.unpack("<4q", digest))
-    device = _device_for(group, like)
-    mine = torch.tensor(words, dtype=torch.int64, device=device)
-    table = gather_flat(mine, world, group).view(world, -1).cpu()
-    if bool(table[:, 0].any()) or bool((table[:, 1:] != table[0, 1:]).any()):
-        # Every rank sees the same table, so every rank takes this branch: the object gather
-        # below cannot hang.
-        reports = [None] * world
-        dist.all_gather_object(reports, (local_error, described), group=group)
-        lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
-        for key in described:
-            values = [d.get(key) for _, d in reports]
-            if any(v != values[0] for v in values):
-                lines.append(f"ranks disagree on {key}: "
-                             + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
-        raise ValueError(f"kda_aot.cp.{op}: the ranks of the process group cannot run this call "
-                         f"together (raised on every rank):\n  " + "\n  ".join(lines))
-    return group, rank, world
+    return post_agreement(op, plan, group, facts, local_error, like).wait()
+
+
+def payload_layout(plan: CPPlan, size_of: Callable[[Fragment], int]) -> Tuple[int, Dict[int, int]]:
+    """(width, {fragment index: offset}) of an exchange: every rank's payloads one after the other in
+    table order, each rank's padded to `width` elements (the largest rank's), ranks one after the
+    other; offset is where a publishing fragment's payload starts in the gathered flat buffer."""
+    world = plan.world_size
+    offsets, totals = {}, [0] * world
+    for f in plan.fragments:  # global order = every rank's local order
+        n = size_of(f)
+        if n > 0:
+            offsets[f.index] = (f.rank, totals[f.rank])
+            totals[f.rank] += n
+    width = max(totals)
+    return width, {i: r * width + o for i, (r, o) in offsets.items()}
+
+
+def exchange_flat(plan: CPPlan, group, size_of: Callable[[Fragment], int], packed, dtype: torch.dtype,
+                  like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Collective: the gathered flat buffer [world * width] of an exchange (payload_layout says where
+    each fragment's payload is; padding is NaN). packed: this rank's payloads one after the other in
+    table order - one tensor or a list of them, each copied once into the send buffer (None or [] when
+    this rank publishes nothing). None when nobody publishes anything."""
+    width, _ = payload_layout(plan, size_of)
+    if width == 0:
+        return None
+    parts = [] if packed is None else [packed] if isinstance(packed, torch.Tensor) else list(packed)
+    n, mine_total = sum(p.numel() for p in parts), sum(size_of(f) for f in plan.local_fragments)
+    if n != mine_total:
+        raise AssertionError(f"rank {plan.rank}: packed payload of {n} elements, the plan says {mine_total}")
+    mine = torch.full((width,), float("nan"), dtype=dtype, device=_device_for(group, like))
+    offset = 0
+    for p in parts:
+        mine[offset:offset + p.numel()] = p.reshape(-1).to(device=mine.device, dtype=dtype)
+        offset += p.numel()
+    return gather_flat(mine, plan.world_size, group)
 
 
 def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
@@ -114,41 +188,20 @@ def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
     order (one copy instead of one per fragment; None when this rank publishes nothing).
     Returns {fragment index: flat payload} for the publishing fragments of every rank.
     """
-    world = plan.world_size
-    per_rank = [[f for f in plan.fragments_of(r) if size_of(f) > 0] for r in range(world)]
-    totals = [sum(size_of(f) for f in fs) for fs in per_rank]
-    width = max(totals)
-    if width == 0:
-        return {}
-    device = _device_for(group, like)
-    mine = torch.full((width,), float("nan"), dtype=dtype, device=device)
-    if packed is not None or not items:
-        n = 0 if packed is None else packed.numel()
-        if n != totals[plan.rank]:
-            raise AssertionError(f"rank {plan.rank}: packed payload of {n} elements, the plan says {totals[plan.rank]}")
-        if n:
-            mine[:n] = packed.reshape(-1).to(device=device, dtype=dtype)
-        per_rank_items = []
-    else:
-        per_rank_items = per_rank[plan.rank]
-    offset = 0
-    for f in per_rank_items:
-        n = size_of(f)
-        payload = items[f.index].reshape(-1)
-        if payload.numel() != n:
-            raise AssertionError(f"fragment {f.index}: payload of {payload.numel()} elements, "
-                                 f"the plan says {n}")
-        mine[offset:offset + n] = payload.to(device=device, dtype=dtype)
-        offset += n
-    everyone = gather_flat(mine, world, group).view(world, width)
-    out = {}
-    for r, fs in enumerate(per_rank):
-        offset = 0
-        for f in fs:
+    if packed is None and items:
+        packed = []
+        for f in plan.local_fragments:
             n = size_of(f)
-            out[f.index] = everyone[r][offset:offset + n]
-            offset += n
-    return out
+            if n > 0:
+                if items[f.index].numel() != n:
+                    raise AssertionError(f"fragment {f.index}: payload of {items[f.index].numel()} elements, "
+                                         f"the plan says {n}")
+                packed.append(items[f.index])
+    everyone = exchange_flat(plan, group, size_of, packed, dtype, like)
+    if everyone is None:
+        return {}
+    _, offsets = payload_layout(plan, size_of)
+    return {i: everyone[o:o + size_of(plan.fragments[i])] for i, o in offsets.items()}
 
 
 def gather(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from .._tensor import host_table_to
 from ..reference import CONV_WIDTH
-from .exchange import check_agreement, exchange
+from .exchange import Agreement, exchange_flat, payload_layout, post_agreement
 from .plan import CPPlan, Fragment
 
 __all__ = ["conv_halo", "conv1d_silu_cp", "ReferenceConv", "CudaConv", "conv_facts"]
@@ -58,86 +58,117 @@ def _tail_slot(e: Fragment, offset: int) -> int:
     return HALO - (e.length - offset)
 
 
-def _tail_index(plan: CPPlan) -> Tuple[List[int], List[int]]:
-    """The local token rows of this rank's published tails, HALO per publishing fragment in table
-    order, right-aligned; and the positions in that list of the slots before a fragment shorter
-    than HALO (they hold NaN: never read)."""
-    index, empty = [], []
-    for f in plan.local_fragments:
-        if not f.is_last:
-            for s in range(HALO):
+def _publishes_tail(f: Fragment) -> int:
+    """Rows (of the summed widths) fragment f publishes in the forward exchange: its tail."""
+    return 0 if f.is_last else HALO
+
+
+def _returns_halo(f: Fragment) -> int:
+    """Rows fragment f publishes in the backward exchange: its halo's gradient."""
+    return HALO if f.needs_state else 0
+
+
+class _HaloTables:
+    """The device index tables of a plan's halo exchanges, built once per (plan, device) (CPPlan.memo):
+    a step launches a fixed handful of gathers and builds nothing on the host. Rows are counted in
+    units of the summed widths of the exchanged tensors (every payload is HALO such rows)."""
+
+    def __init__(self, plan: CPPlan, device: torch.device):
+        table = lambda ix: host_table_to(torch.tensor(ix, dtype=torch.int64), device)  # noqa: E731
+        local = plan.local_fragments
+        self.n_local = len(local)
+        # forward: this rank's tails (local token rows, right-aligned; slots before a fragment shorter
+        # than HALO hold NaN: never read), and each halo row's row in the gathered tails
+        tails, empty = [], []
+        for f in local:
+            for s in range(_publishes_tail(f)):
                 t = f.length - HALO + s
                 if t < 0:
-                    empty.append(len(index))
-                index.append(f.local_start + max(t, 0))
-    return index, empty
+                    empty.append(len(tails))
+                tails.append(f.local_start + max(t, 0))
+        width, offsets = payload_layout(plan, _publishes_tail)
+        self.zero_row = plan.world_size * width  # one zero row appended to the gathered rows
+        src = [self.zero_row] * (len(local) * HALO)  # halo rows before a document's start: zeros
+        for f in local:
+            for j, e, off in _sources(plan, f):
+                src[f.segment * HALO + j] = offsets[e.index] + _tail_slot(e, off)
+        self.tails = table(tails) if tails else None
+        self.tail_empty = table(empty) if empty else None
+        self.halo_src = table(src)
+        # backward: the local segments whose halo gradient this rank returns, and the local token
+        # rows the returned gradients land on, each row's contributions summed in table order (every
+        # rank's halo rows in global order: a fixed summation order, deterministic)
+        senders = [f.segment for f in local if f.needs_state]
+        self.senders = table(senders) if senders else None
+        _, offsets = payload_layout(plan, _returns_halo)
+        mine = {f.index for f in local}
+        contributions = [(e.local_start + off, offsets[g.index] + j)
+                         for g in plan.fragments for j, e, off in _sources(plan, g) if e.index in mine]
+        rows, groups = [], []
+        for row, src_row in sorted(contributions, key=lambda c: c[0]):  # stable: table order kept
+            if rows and rows[-1] == row:
+                groups[-1].append(src_row)
+            else:
+                rows.append(row)
+                groups.append([src_row])
+        self.grad_rows = table(rows) if rows else None
+        self.grad_first = table([g[0] for g in groups]) if rows else None
+        # a token in several halos (fragments shorter than HALO): (groups that have a k-th, its row)
+        self.grad_more = [(table([r for r, g in enumerate(groups) if len(g) > k]),
+                           table([g[k] for g in groups if len(g) > k]))
+                          for k in range(1, max((len(g) for g in groups), default=0))]
+
+    @staticmethod
+    def of(plan: CPPlan, device: torch.device) -> "_HaloTables":
+        return plan.memo(("halo tables", str(device)), lambda: _HaloTables(plan, device))
 
 
-def _halos(plan: CPPlan, group, xs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Collective: the halos [n_local, HALO, D_i] (x_i's dtype) of every x_i, one all_gather. A fixed
-    handful of launches whatever the number of fragments (gathers by host-built row tables)."""
-    local, widths = plan.local_fragments, [x.shape[-1] for x in xs]
-    total, device = sum(widths), xs[0].device
-    index, empty = _tail_index(plan)
-    packed = None
-    if index:
-        rows = host_table_to(torch.tensor(index, dtype=torch.int64), device)
-        packed = torch.cat([x[0].index_select(0, rows) for x in xs], dim=-1)
-        if empty:
-            packed.index_fill_(0, host_table_to(torch.tensor(empty, dtype=torch.int64), device), float("nan"))
-    published = exchange(plan, group, lambda f: 0 if f.is_last else HALO * total, {}, xs[0].dtype, like=xs[0],
-                         packed=packed)
-    dest, src = [], []
-    for f in local:
-        for j, e, off in _sources(plan, f):
-            dest.append(f.segment * HALO + j)
-            src.append(published[e.index].view(HALO, total)[_tail_slot(e, off)])
-    halo = xs[0].new_zeros(len(local) * HALO, total)
-    if dest:
-        halo.index_copy_(0, host_table_to(torch.tensor(dest, dtype=torch.int64), device), torch.stack(src))
-    halo = halo.view(len(local), HALO, total)
-    if len(xs) == 1:
-        return [halo]
+def _published_tails(plan: CPPlan, xs: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """LOCAL: this rank's tails of every x_i [rows, sum D_i] (detached: their gradient comes back
+    through the backward exchange), or None when it publishes none. Safe to queue before the ranks'
+    agreement is read once this rank's own arguments checked out (conv_facts)."""
+    tables = _HaloTables.of(plan, xs[0].device)
+    if tables.tails is None:
+        return None
+    packed = torch.cat([x.detach()[0].index_select(0, tables.tails) for x in xs], dim=-1)
+    if tables.tail_empty is not None:
+        packed.index_fill_(0, tables.tail_empty, float("nan"))
+    return packed
+
+
+def _halos(plan: CPPlan, group, xs: Sequence[torch.Tensor], tails: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """Collective: the halos [n_local, HALO, D_i] (x_i's dtype) of every x_i, one all_gather of the
+    tails (_published_tails). A fixed handful of launches whatever the number of fragments."""
+    widths = [x.shape[-1] for x in xs]
+    total = sum(widths)
+    tables = _HaloTables.of(plan, xs[0].device)
+    gathered = exchange_flat(plan, group, lambda f: _publishes_tail(f) * total, tails, xs[0].dtype, like=xs[0])
+    if gathered is None:  # nobody publishes: no halo reads anything
+        return [x.new_zeros(tables.n_local, HALO, d) for x, d in zip(xs, widths)]
+    rows = torch.nn.functional.pad(gathered.view(-1, total), (0, 0, 0, 1))  # + the zero row
     firsts = [0, *itertools.accumulate(widths)]
-    return [halo[..., a:b].contiguous() for a, b in zip(firsts[:-1], firsts[1:])]
+    return [rows[:, a:b].index_select(0, tables.halo_src).view(tables.n_local, HALO, b - a)
+            for a, b in zip(firsts[:-1], firsts[1:])]
 
 
 def _returned_halo_grads(plan: CPPlan, group, dhalos: Sequence[torch.Tensor], widths, like):
     """Collective: the gradients of the halo rows every rank read from this rank's tail tokens, one
     all_gather. Returns (local token rows [R] int64 on like's device, their gradient [R, sum widths]
     in dhalos' dtype, each row's contributions summed in table order: deterministic) or None."""
-    local, total, device = plan.local_fragments, sum(widths), like.device
-    dtype = dhalos[0].dtype
-    senders = [f.segment for f in local if f.needs_state]
+    total = sum(widths)
+    tables = _HaloTables.of(plan, like.device)
     packed = None
-    if senders:
+    if tables.senders is not None:
         dhalo = dhalos[0] if len(dhalos) == 1 else torch.cat(list(dhalos), dim=-1)
-        packed = dhalo.index_select(0, host_table_to(torch.tensor(senders, dtype=torch.int64), device))
-    published = exchange(plan, group, lambda f: HALO * total if f.needs_state else 0, {}, dtype, like=like,
-                         packed=packed)
-    mine = {f.index for f in local}
-    # Every rank's halo rows in table order: a fixed summation order, so the result does not depend
-    # on which rank computes it. contributions[i] = (local token row, gradient row)
-    contributions = [(e.local_start + off, published[g.index].view(HALO, total)[j])
-                     for g in plan.fragments for j, e, off in _sources(plan, g) if e.index in mine]
-    if not contributions:
+        packed = dhalo.index_select(0, tables.senders)
+    gathered = exchange_flat(plan, group, lambda f: _returns_halo(f) * total, packed, dhalos[0].dtype, like=like)
+    if tables.grad_rows is None:
         return None
-    grads = torch.stack([c[1] for c in contributions])
-    order = sorted(range(len(contributions)), key=lambda i: contributions[i][0])  # stable: table order kept
-    rows, groups = [], []
-    for i in order:
-        if rows and rows[-1] == contributions[i][0]:
-            groups[-1].append(i)
-        else:
-            rows.append(contributions[i][0])
-            groups.append([i])
-    table = lambda ix: host_table_to(torch.tensor(ix, dtype=torch.int64), device)
-    summed = grads.index_select(0, table([g[0] for g in groups]))
-    for k in range(1, max(len(g) for g in groups)):  # a token in several halos (fragments < HALO tokens)
-        has = [r for r, g in enumerate(groups) if len(g) > k]
-        summed.index_copy_(0, table(has), summed.index_select(0, table(has))
-                            + grads.index_select(0, table([groups[r][k] for r in has])))
-    return table(rows), summed
+    rows = gathered.view(-1, total)
+    summed = rows.index_select(0, tables.grad_first)
+    for has, src in tables.grad_more:
+        summed.index_copy_(0, has, summed.index_select(0, has) + rows.index_select(0, src))
+    return tables.grad_rows, summed
 
 
 class ReferenceConv:
@@ -195,9 +226,9 @@ class _ConvSiluCP(torch.autograd.Function):
     """y_i = conv(x_i, w_i, b_i, local segments, halo_i) for i = 1..n, the halos in one exchange each way."""
 
     @staticmethod
-    def forward(ctx, plan: CPPlan, group, convs, n: int, *tensors):
+    def forward(ctx, plan: CPPlan, group, convs, n: int, tails, *tensors):
         xs, ws, bs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
-        halos = _halos(plan, group, xs)
+        halos = _halos(plan, group, xs, tails)
         if plan.local_fragments:
             ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for conv, x, w, b, h in zip(convs, xs, ws, bs, halos)]
         else:  # no token here: empty outputs, and the backward still joins the collective
@@ -230,7 +261,7 @@ class _ConvSiluCP(torch.autograd.Function):
                 add = grads[:, first:first + d]
                 dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
                 first += d
-        return (None, None, None, None, *dxs, *[p[1] for p in parts], *[p[2] for p in parts])
+        return (None, None, None, None, None, *dxs, *[p[1] for p in parts], *[p[2] for p in parts])
 
 
 def conv_facts(xs: Sequence[torch.Tensor], plan: CPPlan) -> Tuple[dict, Optional[str]]:
@@ -261,15 +292,17 @@ def conv_halo(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
     [0, 3, D]). conv1d_silu_cp is this and the conv in one node (what the module uses).
     """
     facts, problem = conv_facts([x_local], plan)
-    group, _, _ = check_agreement("conv_halo", plan, group, facts, problem, x_local)
-    return _ConvHalo.apply(x_local, plan, group)
+    agreement = post_agreement("conv_halo", plan, group, facts, problem, x_local)
+    tails = _published_tails(plan, [x_local]) if agreement.locally_ok else None
+    group, _, _ = agreement.wait()
+    return _ConvHalo.apply(x_local, tails, plan, group)
 
 
 class _ConvHalo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan: CPPlan, group):
+    def forward(ctx, x, tails, plan: CPPlan, group):
         ctx.cfg = (plan, group, tuple(x.shape))
-        return _halos(plan, group, [x])[0]
+        return _halos(plan, group, [x], tails)[0]
 
     @staticmethod
     def backward(ctx, dhalo):
@@ -279,11 +312,11 @@ class _ConvHalo(torch.autograd.Function):
         if back is not None:
             rows, grads = back
             dx[0].index_copy_(0, rows, grads)
-        return dx, None, None
+        return dx, None, None, None
 
 
 def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="reference",
-                   check: bool = True):
+                   agreement: Optional[Agreement] = None):
     """Collective, differentiable: the causal conv1d + SiLU of this rank's tokens under CP.
 
     xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
@@ -293,8 +326,9 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     list of such objects, one per x (PackedKDA: CudaConv(l2norm=True) for q and k).
     Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns empty
     results that must still reach the loss (the backward is collective).
-    check=False: the caller has run check_agreement with conv_facts already (PackedKDA: one
-    agreement for its whole call).
+    agreement: an agreement the caller posted (post_agreement) with conv_facts(xs, plan) among its
+    facts (PackedKDA: one for its whole call); None: this call posts its own. Either way the tails
+    are gathered on the GPU before the host waits for it.
     """
     single = isinstance(xs, torch.Tensor)
     xs = [xs] if single else list(xs)
@@ -306,8 +340,10 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     convs = tuple(conv) if isinstance(conv, (list, tuple)) else (conv,) * len(xs)
     if len(convs) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(convs)} conv ops")
-    if check:
+    if agreement is None:
         facts, problem = conv_facts(xs, plan)
-        group, _, _ = check_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
-    ys = _ConvSiluCP.apply(plan, group, convs, len(xs), *xs, *weights, *biases)
+        agreement = post_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
+    tails = _published_tails(plan, xs) if agreement.locally_ok else None
+    group, _, _ = agreement.wait()
+    ys = _ConvSiluCP.apply(plan, group, convs, len(xs), tails, *xs, *weights, *biases)
     return ys[0] if single else list(ys)

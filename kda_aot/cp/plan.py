@@ -26,6 +26,7 @@ single-device segmentation). Chunks restart at every fragment start.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
@@ -74,6 +75,21 @@ class CPPlan:
     rank: int
     chunk_size: int
     fragments: Tuple[Fragment, ...]
+
+    # ------------------------------------------------------------------ derived, computed once
+    @functools.cached_property
+    def digest(self) -> str:
+        """What check_agreement compares of the boundaries (a hash: every call would otherwise hash them)."""
+        return (f"sha256 {hashlib.sha256(repr(self.cu_seqlens).encode()).hexdigest()[:12]}"
+                f" (T = {self.total_tokens}, {self.num_docs} documents)")
+
+    def memo(self, key, make):
+        """make() once per key for this plan (the exchanges' device tables, by device): a step under CP
+        builds no host table and copies nothing to the device after its first call on a plan."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     # ------------------------------------------------------------------ sizes
     @property
