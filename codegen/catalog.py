@@ -65,11 +65,11 @@ RECORDS: tuple[Record, ...] = (
     # per tensor on CP2 Q1's 125 k tokens x 4,096 channels). l2norm_eps = kda_aot.norm.L2NORM_EPS (tested).
     Record(program=_FWD, form="l2norm",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
-                   "l2norm": True, "l2norm_eps": "1e-6f"},
+                   "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 8},
            select="q and k of PackedKDA with qk_l2norm (head dim 128)", grid=_CONV_GRID),
     Record(program=_BWD, form="l2norm",
            params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 8, "min_blocks": 2,
-                   "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f"},
+                   "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 4},
            select="q and k of PackedKDA with qk_l2norm (head dim 128)", grid=_BWD_GRID),
     # Variants kept to measure against the shipped form (bench/NOTES.md) and to check it bitwise.
     Record(program=_FWD, form="c8",
@@ -86,6 +86,17 @@ RECORDS: tuple[Record, ...] = (
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1,
                    "l2norm": False},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
+    # The l2norm forms with a tile edge every few tokens and one row per norm batch: bitwise checks against
+    # the shipped l2norm forms prove that their rows' head sums taken side by side in batches (interior)
+    # give what one row at a time gives (edges).
+    Record(program=_FWD, form="l2norm_short_tiles",
+           params={"threads": 128, "tokens_per_thread": 5, "channels": 4, "unroll": 2, "min_blocks": 1,
+                   "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 1},
+           select=_VARIANT, grid=_CONV_GRID, shipped=False),
+    Record(program=_BWD, form="l2norm_short_tiles",
+           params={"threads": 128, "tokens_per_thread": 5, "channels": 4, "unroll": 2, "min_blocks": 1,
+                   "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 1},
+           select=_VARIANT, grid=_BWD_GRID, shipped=False),
     # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): session 4
     # default 16.04 ms, balanced 14.14 (bitwise equal); session 6 balanced 13.96, lean 12.71 (fp64-checked,
     # saved == replay bitwise under it), so lean ships. Session 7: W, U and Aqk out through shared memory

@@ -16,6 +16,7 @@ from conftest import SEED, gpu
 from kda_aot import causal_conv1d_silu, reference, registry
 from kda_aot.conv import conv1d_silu_backward, conv1d_silu_forward
 from kda_aot.norm import L2NORM_EPS
+from test_kda_fwd_gpu import require_form
 
 pytestmark = gpu
 BF16_REL = 2.0 ** -8
@@ -113,8 +114,9 @@ def test_no_bias_int64_cu():
 
 
 def variant_forms(program):
-    """The test-only tilings (the shipped l2norm form computes something else: tested below)."""
-    return [r["form"] for r in registry.records() if r["program"] == program and r["form"] not in ("default", "l2norm")]
+    """The test-only tilings of the plain conv (the l2norm forms compute something else: tested below)."""
+    return [r["form"] for r in registry.records()
+            if r["program"] == program and r["form"] != "default" and not r["form"].startswith("l2norm")]
 
 
 @pytest.mark.parametrize("fwd_form,bwd_form", list(zip(variant_forms("conv1d_silu_fwd"),
@@ -165,6 +167,23 @@ def test_l2norm_form_matches_reference(name, D, halo):
     assert torch.equal(got, y)
     got.backward(dy)
     assert torch.equal(xl.grad, dx)
+
+
+@pytest.mark.parametrize("halo", [False, True])
+def test_l2norm_batched_rows_are_bitwise_the_row_by_row_ones(halo):
+    """The shipped l2norm forms take the head sums of several rows side by side (norm_batch), the test-only
+    l2norm_short_tiles forms one row at a time with a tile edge every 5 tokens: y, dx and dhalo bitwise
+    equal (dweight / dbias differ only in their tile summation order)."""
+    require_form("conv1d_silu_fwd", "l2norm_short_tiles")
+    require_form("conv1d_silu_bwd", "l2norm_short_tiles")
+    x, w, b, cu, h, dy = pack(PACKS["long"], 256, rng(("l2norm tiles", halo)), halo=halo)
+    a = run_kernels(x, w, b, cu, h, dy, "l2norm", "l2norm")
+    s = run_kernels(x, w, b, cu, h, dy, "l2norm_short_tiles", "l2norm_short_tiles")
+    assert torch.equal(a[0], s[0]) and torch.equal(a[1], s[1])
+    if halo:
+        assert torch.equal(a[4], s[4])
+    assert_f32_close(s[2], a[2].double(), "dweight", rel=1e-5)
+    assert_f32_close(s[3], a[3].double(), "dbias", rel=1e-5)
 
 
 def test_two_runs_are_bitwise_equal():

@@ -107,6 +107,28 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// warp_sum of every a[i] and b[i], the 2N butterflies side by side (each value's bits as warp_sum's).
+template <int N>
+__device__ __forceinline__ void warp_sums(float (&a)[N], float (&b)[N]) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      a[i] += __shfl_xor_sync(0xffffffffu, a[i], m);
+      b[i] += __shfl_xor_sync(0xffffffffu, b[i], m);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void warp_sums(float (&a)[N]) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] += __shfl_xor_sync(0xffffffffu, a[i], m);
+  }
+}
+
 // 1 / sqrt(sum over the head of y^2 + eps): this lane's C channels, then the warp's (C * 32 = 128 channels).
 template <int C>
 __device__ __forceinline__ float head_rstd(const float (&y)[C], float eps) {
