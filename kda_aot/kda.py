@@ -242,16 +242,16 @@ def _pipeline_on(pipeline=None) -> bool:
 
 
 def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, pieced=None,
-               before_join=None, first: tuple = (), lead: bool = False):
+               before_join=None, first: tuple = (), lead: bool = False, piece_order=None):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
     walks run beside the chunk stage of the groups after it. pieced (the forward): (group, chunk
     bounds on the device (int32), on the host) of the group whose one segment is cut in pieces
     (fit.pieced_group): its chunk stage a piece at a time, each followed by
-    launch_group(i, first, end, streams, (piece, device bounds)) for that piece; lead (context
-    parallelism): its first fit.lead_pieces pieces go ahead of every other group, the others right
-    after the `first` ones; else they go where the group does. before_join(groups, streams): called
+    launch_group(i, first, end, streams, (piece, device bounds)) for that piece, in piece_order
+    (default: first to last); lead (context parallelism): its first fit.lead_pieces pieces go ahead of
+    every other group, the others right after the `first` ones; else they go where the group does. before_join(groups, streams): called
     once every launch is queued, before the side streams are joined (its launches on the current
     stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
     segments that go first. The side streams are joined back into the current stream, also when a
@@ -265,7 +265,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     launches = [(i, None) for i in range(len(groups))]
     if pieced is not None:
         k, device_bounds, bounds = pieced
-        pieces = [(k, p) for p in range(len(bounds) - 1)]
+        pieces = [(k, p) for p in (range(len(bounds) - 1) if piece_order is None else piece_order)]
         rest = [g for g in launches if g != (k, None)]
         if lead:  # the rank's critical walk starts at once; the senders' chunk stage once it has slack (fit)
             h = fit.lead_pieces(len(pieces))
@@ -672,14 +672,20 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=()):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
     the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
     chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
     bound by the sum of its kernels' SM time, bench/NOTES.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
-    the caller walks them again anyway, with exit-state gradients it does not have yet."""
+    the caller walks them again anyway, with exit-state gradients it does not have yet.
+    pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),
+    first and last piece first, then the second and the last but one, ...: its forward walk goes
+    through the pieces from the front, its backward walk from the back, each piece from its neighbour's
+    end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
+    chunk stage instead of the whole chain's (session 10, CP2 Q1 contiguous: rank 0's 1,584-chunk
+    document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
@@ -691,8 +697,47 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     half = max(1, _sm_count(q.device) // 2)
     lengths = prepared["chain_lengths"]
+    chosen = fit.pieced_group(lengths, cp=True) if pieced else None
+    pieces = order = None
+    if chosen is not None:
+        bounds = chosen[1]
+        n = len(bounds) - 1
+        pieces = (chosen[0], host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device), bounds)
+        order = [p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j))]  # 0, n-1, 1, n-2, ...
+        fwd_handoff = torch.empty(n - 1, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+        bwd_handoff = torch.empty(n - 1, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+        produced, walked = set(), {"fwd": 0, "bwd": n - 1}  # the next piece each walk goes through
 
-    def walks(i, a, b, streams):
+    def piece_walks(i, a, streams, p, chunks):
+        """Piece p's chunk stage is queued: the walks through every piece that is ready in their order."""
+        produced.add(p)
+        view = lambda r: dict(segments_view(prepared, a, a + 1), seg_chunks=chunks[r:r + 2],  # noqa: E731
+                              chain_lengths=(bounds[r + 1] - bounds[r],))
+        while walked["fwd"] < n and walked["fwd"] in produced:
+            r = walked["fwd"]
+            run_out = {"tape": outs["tape"], "vnew": outs["vnew"]}
+            if r < n - 1:
+                run_out["final_state"] = fwd_handoff[r]
+            start = (None if h0 is None else h0[a:a + 1]) if r == 0 else fwd_handoff[r - 1]
+            with torch.cuda.stream(streams[0]):
+                chunk_kda_walk(view(r), initial_state=start, output_final_state=r < n - 1, save_tape=True,
+                               out=run_out, want_output=False,
+                               sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
+                               pool=f"kda_fwd_tape/replay{i}")
+            walked["fwd"] += 1
+        while a not in skip_bwd and walked["bwd"] >= 0 and walked["bwd"] in produced:
+            r = walked["bwd"]
+            end = (None if dht is None else dht[a:a + 1]) if r == n - 1 else bwd_handoff[r]
+            with torch.cuda.stream(streams[1]):
+                chunk_kda_bwd_walk(view(r), do, end,
+                                   out={"dtape": dtape, "dinitial_state": dh0[a:a + 1] if r == 0 else bwd_handoff[r - 1]},
+                                   sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
+                                   pool=f"kda_bwd_tape/replay{i}")
+            walked["bwd"] -= 1
+
+    def walks(i, a, b, streams, piece=None):
+        if piece is not None:  # the pieced group is one segment: b == a + 1
+            return piece_walks(i, a, streams, *piece)
         view = segments_view(prepared, a, b)
         with torch.cuda.stream(streams[0]):
             chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
@@ -705,7 +750,8 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
                                    out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
                                    sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
                                    pool=f"kda_bwd_tape/replay{i}")
-    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks)
+    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, pieces,
+               lead=pieces is not None, piece_order=order)
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 

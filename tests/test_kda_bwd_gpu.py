@@ -366,6 +366,37 @@ def test_replay_walks_side_by_side_are_bitwise_the_sequential_replay(monkeypatch
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("lens", [[3000, 2200], [1, 2000, 5, 1100]])
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize("skip", [False, True])
+def test_pieced_replay_walks_are_bitwise_the_unpieced_ones(lens, init, skip):
+    """pieced=True (context parallelism: the longest chain's chunk stage a piece at a time, first and last
+    piece first; its forward walk through the pieces from the front, its backward walk from the back,
+    each from its neighbour's end state; 47 chunks: 5 pieces, 32: 4) writes the bits of the unpieced
+    order, the skipped backward walk (skip_bwd) left out alike; the pieced run's tensors allocated over NaN."""
+    from kda_aot import fit
+    from kda_aot.kda import _replay_walks_pipelined
+    from test_kda_fwd_gpu import nan_filled_allocator
+    lengths = tuple(-(-n // 64) for n in lens)
+    chosen = fit.pieced_group(lengths, cp=True)
+    assert chosen is not None and len(chosen[1]) > 4, "the pack must cut a chain in pieces"
+    longest = lengths.index(max(lengths))
+    skip_bwd = (longest,) if skip else ()
+    q, k, v, g, beta, cu, h0 = make(lens, 3, "rand", rng(("pieced-replay", len(lens), init)), init)
+    dout = torch.randn(q.shape, device="cuda", generator=rng(("pieced-replay-do", len(lens)))).to(torch.bfloat16)
+    dht = torch.randn(len(lens), 3, 128, 128, device="cuda", generator=rng(("pieced-replay-dht", len(lens))))
+    sa, wa = _replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht, skip_bwd)
+    nan_filled_allocator()
+    sb, wb = _replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht, skip_bwd, pieced=True)
+    for name in ("tape", "vnew"):
+        assert torch.equal(sa[name], sb[name]), name
+    walked = [s for s in range(len(lens)) if s not in skip_bwd]
+    seg_chunks = sa["seg_chunks"].tolist()
+    rows = [c for s in walked for c in range(seg_chunks[s], seg_chunks[s + 1])]
+    assert torch.equal(wa[0][rows], wb[0][rows]), "dtape"
+    assert torch.equal(wa[1][walked], wb[1][walked]), "d_initial_state"
+
+
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
 @pytest.mark.parametrize("init", [False, True])
 def test_pipelined_replay_walks_are_bitwise_replay_walks(chains, init):

@@ -236,8 +236,9 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
 
 
 @pytest.mark.parametrize("lens,remote", [([300, 129], [0]), ([1, 63, 64, 65, 130, 2], [0, 2, 3]),
-                                         ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], [])],
-                         ids=["2", "6", "32-long", "32-none"])
+                                         ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], []),
+                                         ([300, 2200, 40, 1500], [0]), ([2200, 300], [0])],
+                         ids=["2", "6", "32-long", "32-none", "pieced", "pieced-remote"])
 @pytest.mark.parametrize("beside", [False, True], ids=["walk-first", "beside-bwd-chunk"])
 @pytest.mark.parametrize("skip", [False, True], ids=["walked", "skip-bwd"])
 def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote, beside, skip):
@@ -249,7 +250,8 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
     prepare(), replay() (D from the offset walk) then backward() with the true gradients: the saved
     context, D and every gradient bitwise. skip: the remote segments' first backward walk left out
     (replay_pipelined(skip_bwd=): what the CP op does for fragments whose D nobody wants; their rows
-    stay NaN-poisoned, so a gradient that read them fails)."""
+    stay NaN-poisoned, so a gradient that read them fails). `pieced`: a 35-chunk chain walked in pieces
+    (fit.pieced_group), both walks through them from their ends; `pieced-remote`: that chain remote."""
     monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)

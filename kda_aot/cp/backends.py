@@ -209,12 +209,13 @@ class CudaBackend:
         returns (saved context, [dtape, D]); D has replay()'s bits, and the segments whose exit-state
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
-        and backward(rewalk=) walks them anyway): their rows of the walk are unwritten."""
+        and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
+        chain is walked in pieces (kda._replay_walks_pipelined(pieced=True)): bitwise the same."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                                       tuple(skip_bwd))
+                                       tuple(skip_bwd), pieced=True)
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
