@@ -77,7 +77,7 @@ def fla_kda():
 
 
 def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=None, walk_forms=("auto",),
-        layouts=LAYOUTS, with_fla=True, per_fragment=False, plain_order=False) -> list[dict]:
+        layouts=LAYOUTS, with_fla=True, per_fragment=False, plain_order=False, ab=()) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows, t_start = [], time.monotonic()
@@ -132,6 +132,9 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             if plain_order:  # the CP path's plain order against the pipelined one (the default)
                 arms[(PLAIN_ORDER_ARM, "B1")] = with_env(PIPELINE_KNOB, "0", b1)
                 arms[(PLAIN_ORDER_ARM, "B3")] = with_env(PIPELINE_KNOB, "0", b3)
+            for knob, value in ab:  # an environment knob's other setting, as an arm of its own
+                arms[(f"kda_aot/{knob}={value}", "B1")] = with_env(knob, value, b1)
+                arms[(f"kda_aot/{knob}={value}", "B3")] = with_env(knob, value, b3)
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -197,7 +200,13 @@ def main(argv=None) -> int:
     p.add_argument("--plain-order", action="store_true",
                    help=f"add the arm {PLAIN_ORDER_ARM} ({PIPELINE_KNOB}=0: the CP path's plain order instead of the "
                         "chunk stage pipelined with the walks)")
+    p.add_argument("--ab", action="append", default=[], metavar="KNOB=VALUE",
+                   help="add the arm kda_aot/KNOB=VALUE: the environment knob set so during its calls (repeatable; "
+                        "e.g. KDA_AOT_CP_REPLAY_PIECES=0)")
     args = p.parse_args(argv)
+    ab = [tuple(x.split("=", 1)) for x in args.ab]
+    if any(len(x) != 2 or not x[0] for x in ab):
+        p.error(f"--ab: expected KNOB=VALUE, got {args.ab}")
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
         p.error(f"--layouts: expected a subset of {LAYOUTS}, got {args.layouts}")
@@ -209,7 +218,7 @@ def main(argv=None) -> int:
     try:
         rows = run(packs=list(PACKS) if args.pack == "all" else args.pack.split(","), H=args.heads, iters=args.iters, out_dir=args.out,
                    walk_forms=tuple(args.walk_forms.split(",")), layouts=layouts, with_fla=not args.no_fla,
-                   per_fragment=args.per_fragment_summaries, plain_order=args.plain_order)
+                   per_fragment=args.per_fragment_summaries, plain_order=args.plain_order, ab=ab)
         if dist.get_rank() == 0:
             for r in rows:
                 print(json.dumps(r, sort_keys=True))

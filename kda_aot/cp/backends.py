@@ -42,12 +42,16 @@ returns), replay = the forward walk (no output) beside the backward offset walk 
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Optional, Sequence
 
 import torch
 
 from .. import reference
 from .._tensor import host_table_to
+
+# The CP replay walks the rank's longest chain in pieces unless this knob is "0" (bench cp --ab).
+REPLAY_PIECES_KNOB = "KDA_AOT_CP_REPLAY_PIECES"
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -210,12 +214,13 @@ class CudaBackend:
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
-        chain is walked in pieces (kda._replay_walks_pipelined(pieced=True)): bitwise the same."""
+        chain is walked in pieces (kda._replay_walks_pipelined(pieced=True); REPLAY_PIECES_KNOB=0: not, for
+        A/B runs): bitwise the same."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                                       tuple(skip_bwd), pieced=True)
+                                       tuple(skip_bwd), pieced=os.environ.get(REPLAY_PIECES_KNOB, "1") == "1")
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
