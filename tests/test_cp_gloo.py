@@ -318,6 +318,26 @@ def check_module(res, W, layout, pack):
 
 
 @pytest.mark.parametrize("W,layout,pack", GRID)
+def test_module_conv_backward_ahead_is_bitwise(W, layout, pack):
+    """KDA_AOT_CP_CONV_AHEAD=1: v's conv backward run by KDA's backward once it has dv (ConvBackwardAhead;
+    on the GPU beside kda_bwd_gate) - every output and gradient bitwise the plain run's, in both modes,
+    and the conv's backward took that result on every rank that holds tokens (once per backward)."""
+    check_conv_backward_ahead(results(W, f"module/{layout}/{pack}"), plans(W, layout, pack), f"W={W} {layout} {pack}")
+
+
+def check_conv_backward_ahead(res, plan, what):
+    """cp_workers._run_module's "ahead:<mode>" runs against its plain ones, bitwise; "ahead_used:<mode>"."""
+    for r, out in enumerate(res):
+        holds = bool(plan.for_rank(r).local_fragments)
+        for mode in ("saved", "replay"):
+            assert out["ahead_used:" + mode] == (1 if holds else 0), (what, r, mode)
+            for key, a in out[mode].items():
+                b = out["ahead:" + mode][key]
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
+                    f"{what} rank {r} {mode}: {key} differs with the conv backward run ahead (seed {SEED})"
+
+
+@pytest.mark.parametrize("W,layout,pack", GRID)
 def test_conv_halo_matches_single_device(W, layout, pack):
     check_conv(results(W, f"conv/{layout}/{pack}"), W, layout, pack)
 
