@@ -542,10 +542,12 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
         for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
             saved.pop(name, None)
     join = after_dv(parts["dv"]) if after_dv is not None else None
-    t = _gate_tensors(saved, parts, gate_form)
-    _launch_gate(t, gate_form)
-    if join is not None:
-        join()
+    try:
+        t = _gate_tensors(saved, parts, gate_form)
+        _launch_gate(t, gate_form)
+    finally:  # joined even when the gate raises: what after_dv queued reads the caller's tensors
+        if join is not None:
+            join()
     return _gate_result(t, parts["dv"], dh0)
 
 

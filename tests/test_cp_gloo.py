@@ -325,6 +325,38 @@ def test_module_conv_backward_ahead_is_bitwise(W, layout, pack):
     check_conv_backward_ahead(results(W, f"module/{layout}/{pack}"), plans(W, layout, pack), f"W={W} {layout} {pack}")
 
 
+def test_conv_backward_ahead_takes_only_its_own_result():
+    """ConvBackwardAhead: the conv's backward takes the result computed ahead only for the forward that
+    armed it (its token) and from the very gradient tensor, unchanged (storage, shape, strides, version);
+    anything else gets None (the conv computes it itself). The armed inputs are let go once used."""
+    from kda_aot.cp.halo import ConvBackwardAhead, ReferenceConv
+    gen = torch.Generator().manual_seed(SEED)
+    x, w, b = torch.randn(1, 10, 8, generator=gen), torch.randn(8, 4, generator=gen), torch.randn(8, generator=gen)
+    halo, cu, conv = torch.randn(2, 3, 8, generator=gen), (0, 4, 10), ReferenceConv()
+    want = conv.backward(x, w, b, cu, halo, torch.ones(1, 10, 8))
+
+    def run_ahead():
+        a = ConvBackwardAhead()
+        token = a.arm(conv, x, w, b, cu, halo)
+        dv = torch.ones(1, 10, 2, 4)            # KDA's [1, T, H, V]
+        assert a(dv) is None and a.armed is None  # on the CPU: computed at once, nothing to join
+        return a, token, dv.view(1, 10, 8)      # what the conv's backward gets: a view of it
+    a, token, dy = run_ahead()
+    got = a.take(token, dy)
+    assert got is not None and all(torch.equal(u, v) for u, v in zip(got, want))
+    assert a.take(token, dy) is None, "taken twice"
+    assert ConvBackwardAhead()(torch.ones(1, 10, 2, 4)) is None, "not armed: nothing computed"
+    a, token, dy = run_ahead()
+    assert a.take(object(), dy) is None, "another forward's result"
+    a, token, dy = run_ahead()
+    assert a.take(token, dy.clone()) is None, "another tensor"
+    a, token, dy = run_ahead()
+    assert a.take(token, dy.reshape(10, 8)) is None, "another shape"
+    a, token, dy = run_ahead()
+    dy.mul_(2)
+    assert a.take(token, dy) is None, "changed in place"
+
+
 def check_conv_backward_ahead(res, plan, what):
     """cp_workers._run_module's "ahead:<mode>" runs against its plain ones, bitwise; "ahead_used:<mode>"."""
     for r, out in enumerate(res):

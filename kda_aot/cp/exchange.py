@@ -123,7 +123,7 @@ def post_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(table.device))  # the copy's stream (like's device)
         table = host
     return Agreement(op, group, rank, world, local_error, described, table, ready)
 

@@ -227,46 +227,58 @@ class ConvBackwardAhead:
     conv backward needs only dv, which KDA's backward has after kda_bwd_chunk, a whole kda_bwd_gate
     (7.5 ms, compute-bound) before KDA's autograd node returns and the conv's node can start; called as
     chunk_kda_bwd's after_dv, this launches it on a side stream beside the gate and returns the join.
-    The conv's own backward then takes the result when the gradient it gets is that very tensor
-    (same storage, shape, strides and version: nothing changed it on the way), else computes it
-    itself. The parts are the same calls on the same values: bitwise the same gradients."""
+    The conv's own backward then takes the result when it comes from the forward that node belongs to
+    (a token per arm) and the gradient it gets is that very tensor (same storage, shape, strides and
+    version: nothing changed it on the way), else computes it itself. The parts are the same calls on
+    the same values: bitwise the same gradients. The inputs are held from arm() to the call only (the
+    conv's node holds them for its own backward anyway); a result no conv backward takes (a backward
+    that stops before the conv) is held until the next arm() or until the graph goes."""
 
     def __init__(self):
-        self.armed = None   # (conv, x, w, b, cu_seqlens, halo): set by the conv's forward
-        self.done = None    # (dy, its version, (dx, dw, db, dhalo)): set here, taken by the conv's backward
+        self.armed = None   # (token, conv, x, w, b, cu_seqlens, halo): set by the conv's forward
+        self.done = None    # (token, dy, its version, (dx, dw, db, dhalo)): set here, taken by the conv's backward
         self.used = 0       # backward passes whose conv took the result (tests)
 
-    def arm(self, conv, x, w, b, cu_seqlens, halo):
-        self.armed, self.done = (conv, x, w, b, cu_seqlens, halo), None
+    def arm(self, conv, x, w, b, cu_seqlens, halo) -> object:
+        """Called by the conv's forward; returns the token its backward passes to take()."""
+        token = object()
+        self.armed, self.done = (token, conv, x, w, b, cu_seqlens, halo), None
+        return token
 
     def __call__(self, dv: torch.Tensor):
-        if self.armed is None:
+        armed, self.armed = self.armed, None
+        if armed is None:
             return None
-        conv, x, w, b, cu, halo = self.armed
+        token, conv, x, w, b, cu, halo = armed
         dy = dv.reshape(x.shape)  # KDA's [1, T, H, V] is the conv's [1, T, D]: a view
         if not dy.is_cuda:
-            self.done = (dy, dy._version, conv.backward(x, w, b, cu, halo, dy))
+            self.done = (token, dy, dy._version, conv.backward(x, w, b, cu, halo, dy))
             return None
         from ..kda import _side_streams
         main = torch.cuda.current_stream(dy.device)
         side = _side_streams(dy.device, 1, "conv backward ahead")[0]
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            parts = conv.backward(x, w, b, cu, halo, dy)
-        for t in parts:  # allocated on the side stream, read on the main one after the join
-            if t is not None:
-                t.record_stream(main)
-        self.done = (dy, dy._version, parts)
+        try:
+            with torch.cuda.stream(side):
+                parts = conv.backward(x, w, b, cu, halo, dy)
+            for t in parts:  # allocated on the side stream, read on the main one after the join
+                if t is not None:
+                    t.record_stream(main)
+        except BaseException:
+            main.wait_stream(side)  # what was queued may still read the caller's tensors
+            raise
+        self.done = (token, dy, dy._version, parts)
         return lambda: main.wait_stream(side)
 
-    def take(self, dy: torch.Tensor):
-        """The parts computed ahead if they were computed from `dy` (and forget them), else None."""
+    def take(self, token: object, dy: torch.Tensor):
+        """The parts computed ahead if they were computed for the forward of `token` from `dy` (and
+        forget them), else None."""
         done, self.done = self.done, None
         if done is None:
             return None
-        ahead_dy, version, parts = done
-        same = (ahead_dy.data_ptr() == dy.data_ptr() and ahead_dy.shape == dy.shape and ahead_dy.dtype == dy.dtype
-                and ahead_dy.stride() == dy.stride() and dy._version == version)
+        done_token, ahead_dy, version, parts = done
+        same = (done_token is token and ahead_dy.data_ptr() == dy.data_ptr() and ahead_dy.shape == dy.shape
+                and ahead_dy.dtype == dy.dtype and ahead_dy.stride() == dy.stride() and dy._version == version)
         return parts if same else None
 
 
@@ -279,13 +291,13 @@ class _ConvSiluCP(torch.autograd.Function):
         halos = _halos(plan, group, xs, tails)
         if plan.local_fragments:
             ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for conv, x, w, b, h in zip(convs, xs, ws, bs, halos)]
-            for i, a in enumerate(ahead):
-                if a is not None:
-                    a.arm(convs[i], xs[i], ws[i], bs[i], plan.local_cu_seqlens, halos[i])
+            tokens = tuple(None if a is None else a.arm(convs[i], xs[i], ws[i], bs[i], plan.local_cu_seqlens, halos[i])
+                           for i, a in enumerate(ahead))
         else:  # no token here: empty outputs, and the backward still joins the collective
             ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(convs, xs)]
+            tokens = (None,) * n
         ctx.cfg = (plan, group, convs, n)
-        ctx.ahead = ahead
+        ctx.ahead = tuple(zip(ahead, tokens))
         ctx.save_for_backward(*xs, *ws, *bs, *halos)
         return tuple(ys)
 
@@ -296,10 +308,10 @@ class _ConvSiluCP(torch.autograd.Function):
         saved = ctx.saved_tensors
         xs, ws, bs, halos = (saved[i * n:(i + 1) * n] for i in range(4))
         if plan.local_fragments:
-            ahead = [None if a is None else a.take(dy) for a, dy in zip(ctx.ahead, dys)]
+            ahead = [None if a is None else a.take(token, dy) for (a, token), dy in zip(ctx.ahead, dys)]
             parts = [done or conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
                      for done, conv, x, w, b, h, dy in zip(ahead, convs, xs, ws, bs, halos, dys)]
-            for a, done in zip(ctx.ahead, ahead):
+            for (a, _), done in zip(ctx.ahead, ahead):
                 if done is not None:
                     a.used += 1
         else:

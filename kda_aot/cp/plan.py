@@ -83,6 +83,10 @@ class CPPlan:
         return (f"sha256 {hashlib.sha256(repr(self.cu_seqlens).encode()).hexdigest()[:12]}"
                 f" (T = {self.total_tokens}, {self.num_docs} documents)")
 
+    def __getstate__(self):
+        # the memo's device tables stay with the process that made them (and its cached digest is cheap)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_memo", "digest")}
+
     def memo(self, key, make):
         """make() once per key for this plan (the exchanges' device tables, by device): a step under CP
         builds no host table and copies nothing to the device after its first call on a plan."""
