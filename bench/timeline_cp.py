@@ -5,7 +5,8 @@ Where the CP step's span goes beyond the sum of its kernels.
 
   torchrun --nproc-per-node W bench/timeline_cp.py [pack] [layout] [arm] [--out DIR]
   arm: pipelined (the default order) | plain (KDA_AOT_CP_PIPELINE=0) | no_plan (W = 1: the module with cu_seqlens)
-Writes DIR/timeline_<arm>_<layout>_rank<r>.json (kernels, host ops >= 0.2 ms, idle stretches) and
+Writes DIR/timeline_<arm>_<layout>_rank<r>.json (kernels, host ops >= 0.2 ms - >= 20 us before the first
+KDA kernel -, idle stretches) and
 prints rank 0's summary.
 """
 import json
@@ -87,10 +88,14 @@ def main():
     kernels = sorted(({"stream": e.get("args", {}).get("stream", -1), "start_ms": (e["ts"] - t0) / 1e3,
                        "end_ms": (e["ts"] + e["dur"] - t0) / 1e3, "ms": e["dur"] / 1e3,
                        "kernel": family(e["name"])} for e in ks), key=lambda k: k["start_ms"])
+    # host calls of 0.2 ms and more; before the first KDA kernel (the step's prelude, where the GPU waits
+    # for the host) every call of 20 us and more
+    first_kda = min((e["ts"] for e in ks if short(e["name"]).startswith("kda_")), default=float("inf"))
     host = sorted(({"start_ms": (e["ts"] - t0) / 1e3, "ms": e["dur"] / 1e3, "name": e["name"][:60],
                     "cat": e.get("cat")} for e in events
                    if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation")
-                   and e.get("dur", 0) >= 200), key=lambda h: h["start_ms"])
+                   and (e.get("dur", 0) >= 200 or (e.get("dur", 0) >= 20 and e.get("ts", 0) < first_kda))),
+                  key=lambda h: h["start_ms"])
     idle = idle_stretches(kernels)
     span = max(k["end_ms"] for k in kernels)
     busy = {}
