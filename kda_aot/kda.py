@@ -246,12 +246,13 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. pieced (the forward): (group, chunk
-    bounds on the device (int32), on the host) of the group whose one segment is cut in pieces
-    (fit.pieced_group): its chunk stage a piece at a time, each followed by
+    walks run beside the chunk stage of the groups after it. pieced (the forward, the CP replay):
+    (group, chunk bounds on the device (int32), on the host) of the group whose one segment is cut in
+    pieces (fit.pieced_group): its chunk stage a piece at a time, each followed by
     launch_group(i, first, end, streams, (piece, device bounds)) for that piece, in piece_order
     (default: first to last); lead (context parallelism): its first fit.lead_pieces pieces go ahead of
-    every other group, the others right after the `first` ones; else they go where the group does. before_join(groups, streams): called
+    every other group, the others right after the `first` ones; else they go where the group does.
+    before_join(groups, streams): called
     once every launch is queued, before the side streams are joined (its launches on the current
     stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
     segments that go first. The side streams are joined back into the current stream, also when a
@@ -338,7 +339,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                 run_out["final_state"] = part["final_state"][ra:rb]
             if piece is not None:  # the group is one segment: (ra, rb) == (a, b)
                 p, chunks = piece
-                view.update(seg_chunks=chunks[p:p + 2], chain_lengths=(bounds[p + 1] - bounds[p],))
+                view = piece_view(prepared, ra, chunks, bounds, p)
                 if p > 0:
                     h0 = handoff[p - 1]
                 if p < len(bounds) - 2:
@@ -405,6 +406,14 @@ def segments_view(prepared: dict, first: int, end: int) -> dict:
     t["seg_chunks"] = prepared["seg_chunks"][first:end + 1]
     t["chain_lengths"] = prepared["chain_lengths"][first:end]
     return t
+
+
+def piece_view(prepared: dict, segment: int, chunks: torch.Tensor, bounds, p: int) -> dict:
+    """`prepared` seen as piece p of its one segment `segment`, cut at chunk `bounds` (fit.pieced_group;
+    `chunks`: the same bounds on the device, int32): a walk over it starts from the piece before's end
+    state."""
+    return dict(segments_view(prepared, segment, segment + 1), seg_chunks=chunks[p:p + 2],
+                chain_lengths=(bounds[p + 1] - bounds[p],))
 
 
 def segment_view(prepared: dict, segment: int) -> dict:
@@ -719,8 +728,6 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     def piece_walks(i, a, streams, p, chunks):
         """Piece p's chunk stage is queued: the walks through every piece that is ready in their order."""
         produced.add(p)
-        view = lambda r: dict(segments_view(prepared, a, a + 1), seg_chunks=chunks[r:r + 2],  # noqa: E731
-                              chain_lengths=(bounds[r + 1] - bounds[r],))
         while walked["fwd"] < n and walked["fwd"] in produced:
             r = walked["fwd"]
             run_out = {"tape": outs["tape"], "vnew": outs["vnew"]}
@@ -728,17 +735,18 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
                 run_out["final_state"] = fwd_handoff[r]
             start = (None if h0 is None else h0[a:a + 1]) if r == 0 else fwd_handoff[r - 1]
             with torch.cuda.stream(streams[0]):
-                chunk_kda_walk(view(r), initial_state=start, output_final_state=r < n - 1, save_tape=True,
-                               out=run_out, want_output=False,
+                chunk_kda_walk(piece_view(prepared, a, chunks, bounds, r), initial_state=start,
+                               output_final_state=r < n - 1, save_tape=True, out=run_out, want_output=False,
                                sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
                                pool=f"kda_fwd_tape/replay{i}")
             walked["fwd"] += 1
         while a not in skip_bwd and walked["bwd"] >= 0 and walked["bwd"] in produced:
             r = walked["bwd"]
             end = (None if dht is None else dht[a:a + 1]) if r == n - 1 else bwd_handoff[r]
+            into = dh0[a:a + 1] if r == 0 else bwd_handoff[r - 1]
             with torch.cuda.stream(streams[1]):
-                chunk_kda_bwd_walk(view(r), do, end,
-                                   out={"dtape": dtape, "dinitial_state": dh0[a:a + 1] if r == 0 else bwd_handoff[r - 1]},
+                chunk_kda_bwd_walk(piece_view(prepared, a, chunks, bounds, r), do, end,
+                                   out={"dtape": dtape, "dinitial_state": into},
                                    sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
                                    pool=f"kda_bwd_tape/replay{i}")
             walked["bwd"] -= 1

@@ -140,10 +140,10 @@ def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
     return post_agreement(op, plan, group, facts, local_error, like).wait()
 
 
-def payload_layout(plan: CPPlan, size_of: Callable[[Fragment], int]) -> Tuple[int, Dict[int, int]]:
-    """(width, {fragment index: offset}) of an exchange: every rank's payloads one after the other in
-    table order, each rank's padded to `width` elements (the largest rank's), ranks one after the
-    other; offset is where a publishing fragment's payload starts in the gathered flat buffer."""
+def payload_layout(plan: CPPlan, size_of: Callable[[Fragment], int]) -> Tuple[int, Dict[int, int], int]:
+    """(width, {fragment index: offset}, this rank's total) of an exchange: every rank's payloads one after
+    the other in table order, each rank's padded to `width` elements (the largest rank's), ranks one
+    after the other; offset is where a publishing fragment's payload starts in the gathered flat buffer."""
     world = plan.world_size
     offsets, totals = {}, [0] * world
     for f in plan.fragments:  # global order = every rank's local order
@@ -152,20 +152,19 @@ def payload_layout(plan: CPPlan, size_of: Callable[[Fragment], int]) -> Tuple[in
             offsets[f.index] = (f.rank, totals[f.rank])
             totals[f.rank] += n
     width = max(totals)
-    return width, {i: r * width + o for i, (r, o) in offsets.items()}
+    return width, {i: r * width + o for i, (r, o) in offsets.items()}, totals[plan.rank]
 
 
-def exchange_flat(plan: CPPlan, group, size_of: Callable[[Fragment], int], packed, dtype: torch.dtype,
+def exchange_flat(plan: CPPlan, group, width: int, mine_total: int, packed, dtype: torch.dtype,
                   like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """Collective: the gathered flat buffer [world * width] of an exchange (payload_layout says where
-    each fragment's payload is; padding is NaN). packed: this rank's payloads one after the other in
-    table order - one tensor or a list of them, each copied once into the send buffer (None or [] when
-    this rank publishes nothing). None when nobody publishes anything."""
-    width, _ = payload_layout(plan, size_of)
+    """Collective: the gathered flat buffer [world * width] of an exchange whose payload_layout gives
+    `width` and this rank's `mine_total` (where each payload is; padding is NaN). packed: this rank's
+    payloads one after the other in table order - one tensor or a list of them, each copied once into
+    the send buffer (None or [] when this rank publishes nothing). None when nobody publishes anything."""
     if width == 0:
         return None
     parts = [] if packed is None else [packed] if isinstance(packed, torch.Tensor) else list(packed)
-    n, mine_total = sum(p.numel() for p in parts), sum(size_of(f) for f in plan.local_fragments)
+    n = sum(p.numel() for p in parts)
     if n != mine_total:
         raise AssertionError(f"rank {plan.rank}: packed payload of {n} elements, the plan says {mine_total}")
     mine = torch.full((width,), float("nan"), dtype=dtype, device=_device_for(group, like))
@@ -197,10 +196,10 @@ def exchange(plan: CPPlan, group, size_of: Callable[[Fragment], int],
                     raise AssertionError(f"fragment {f.index}: payload of {items[f.index].numel()} elements, "
                                          f"the plan says {n}")
                 packed.append(items[f.index])
-    everyone = exchange_flat(plan, group, size_of, packed, dtype, like)
+    width, offsets, mine_total = payload_layout(plan, size_of)
+    everyone = exchange_flat(plan, group, width, mine_total, packed, dtype, like)
     if everyone is None:
         return {}
-    _, offsets = payload_layout(plan, size_of)
     return {i: everyone[o:o + size_of(plan.fragments[i])] for i, o in offsets.items()}
 
 

@@ -86,7 +86,8 @@ class _HaloTables:
                 if t < 0:
                     empty.append(len(tails))
                 tails.append(f.local_start + max(t, 0))
-        width, offsets = payload_layout(plan, _publishes_tail)
+        width, offsets, mine = payload_layout(plan, _publishes_tail)
+        self.tail_layout = (width, mine)  # the forward exchange's width and this rank's total, in rows
         self.zero_row = plan.world_size * width  # one zero row appended to the gathered rows
         src = [self.zero_row] * (len(local) * HALO)  # halo rows before a document's start: zeros
         for f in local:
@@ -100,7 +101,8 @@ class _HaloTables:
         # rank's halo rows in global order: a fixed summation order, deterministic)
         senders = [f.segment for f in local if f.needs_state]
         self.senders = table(senders) if senders else None
-        _, offsets = payload_layout(plan, _returns_halo)
+        width, offsets, mine = payload_layout(plan, _returns_halo)
+        self.grad_layout = (width, mine)  # the backward exchange's, in rows
         mine = {f.index for f in local}
         contributions = [(e.local_start + off, offsets[g.index] + j)
                          for g in plan.fragments for j, e, off in _sources(plan, g) if e.index in mine]
@@ -142,7 +144,8 @@ def _halos(plan: CPPlan, group, xs: Sequence[torch.Tensor], tails: Optional[torc
     widths = [x.shape[-1] for x in xs]
     total = sum(widths)
     tables = _HaloTables.of(plan, xs[0].device)
-    gathered = exchange_flat(plan, group, lambda f: _publishes_tail(f) * total, tails, xs[0].dtype, like=xs[0])
+    width, mine = tables.tail_layout
+    gathered = exchange_flat(plan, group, width * total, mine * total, tails, xs[0].dtype, like=xs[0])
     if gathered is None:  # nobody publishes: no halo reads anything
         return [x.new_zeros(tables.n_local, HALO, d) for x, d in zip(xs, widths)]
     rows = torch.nn.functional.pad(gathered.view(-1, total), (0, 0, 0, 1))  # + the zero row
@@ -161,7 +164,8 @@ def _returned_halo_grads(plan: CPPlan, group, dhalos: Sequence[torch.Tensor], wi
     if tables.senders is not None:
         dhalo = dhalos[0] if len(dhalos) == 1 else torch.cat(list(dhalos), dim=-1)
         packed = dhalo.index_select(0, tables.senders)
-    gathered = exchange_flat(plan, group, lambda f: _returns_halo(f) * total, packed, dhalos[0].dtype, like=like)
+    width, mine = tables.grad_layout
+    gathered = exchange_flat(plan, group, width * total, mine * total, packed, dhalos[0].dtype, like=like)
     if tables.grad_rows is None:
         return None
     rows = gathered.view(-1, total)
@@ -409,13 +413,13 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     convs = tuple(conv) if isinstance(conv, (list, tuple)) else (conv,) * len(xs)
     if len(convs) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(convs)} conv ops")
+    ahead = tuple(ahead) if ahead is not None else (None,) * len(xs)
+    if len(ahead) != len(xs):
+        raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(ahead)} ahead entries")
     if agreement is None:
         facts, problem = conv_facts(xs, plan)
         agreement = post_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
     tails = _published_tails(plan, xs) if agreement.locally_ok else None
     group, _, _ = agreement.wait()
-    ahead = tuple(ahead) if ahead is not None else (None,) * len(xs)
-    if len(ahead) != len(xs):
-        raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(ahead)} ahead entries")
     ys = _ConvSiluCP.apply(plan, group, convs, len(xs), tails, ahead, *xs, *weights, *biases)
     return ys[0] if single else list(ys)
