@@ -357,6 +357,16 @@ def test_conv_backward_ahead_takes_only_its_own_result():
     assert a.take(token, dy) is None, "changed in place"
 
 
+def test_conv1d_silu_cp_refuses_ahead_entries_of_another_count_before_any_collective():
+    """A wrong `ahead` is this rank's own mistake: raised before the agreement's collective (no process
+    group is even needed), not after it, where the other ranks would wait in the halo exchange."""
+    from kda_aot.cp.halo import ConvBackwardAhead
+    plan = cp.make_plan(torch.tensor([0, 10]), "contiguous", world_size=2, rank=0)
+    x = torch.zeros(1, plan.num_local_tokens, 8)
+    with pytest.raises(ValueError, match="1 inputs but 2 ahead entries"):
+        cp.conv1d_silu_cp([x], [torch.zeros(8, 4)], plan=plan, ahead=[None, ConvBackwardAhead()])
+
+
 def check_conv_backward_ahead(res, plan, what):
     """cp_workers._run_module's "ahead:<mode>" runs against its plain ones, bitwise; "ahead_used:<mode>"."""
     for r, out in enumerate(res):
