@@ -517,8 +517,7 @@ def _gate_result(t: dict, dv, dh0) -> tuple:
     return t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=(),
-                  after_dv=None):
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
@@ -530,9 +529,7 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     rewalk (with walk; context parallelism): segments whose walk ran from a stand-in exit-state
     gradient and runs again here from dfinal_state's rows, into walk's rows - beside kda_bwd_chunk
     over the other segments' chunks when fit.rewalk_beside says it hides there. Bitwise the same as
-    walking them first. after_dv(dv): called once dv is queued (after kda_bwd_chunk), before the gate;
-    what it launches on a side stream runs beside kda_bwd_gate, and the callable it returns (if any) is
-    called once the gate is queued, to join that stream (kda_aot.cp.halo.ConvBackwardAhead)."""
+    walking them first."""
     gate_form = _pick_form("gate_form", gate_form, "KDA_AOT_GATE_FORM", GATE_FORMS)
     if walk is not None:
         dtape, dh0 = walk
@@ -550,13 +547,8 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     if release:
         for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
             saved.pop(name, None)
-    join = after_dv(parts["dv"]) if after_dv is not None else None
-    try:
-        t = _gate_tensors(saved, parts, gate_form)
-        _launch_gate(t, gate_form)
-    finally:  # joined even when the gate raises: what after_dv queued reads the caller's tensors
-        if join is not None:
-            join()
+    t = _gate_tensors(saved, parts, gate_form)
+    _launch_gate(t, gate_form)
     return _gate_result(t, parts["dv"], dh0)
 
 

@@ -11,7 +11,6 @@ kda_aot.cp.chunk_kda_cp. Projections, gates and output norm belong to the caller
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 from . import reference
 from .cp.backends import ReferenceBackend
 from .cp.exchange import post_agreement
-from .cp.halo import ConvBackwardAhead, CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
+from .cp.halo import CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_facts
 from .cp.plan import CPPlan
 from .norm import WIDTH, l2norm_torch
@@ -28,9 +27,6 @@ from .norm import WIDTH, l2norm_torch
 __all__ = ["PackedKDA"]
 
 BACKENDS = ("reference", "cuda")
-# Under CP, v's conv backward run by KDA's backward as soon as it has dv, beside kda_bwd_gate
-# (ConvBackwardAhead; bitwise the same gradients) when this knob is "1". Off until measured on the GPU.
-CONV_AHEAD_KNOB = "KDA_AOT_CP_CONV_AHEAD"
 
 
 class PackedKDA(nn.Module):
@@ -126,7 +122,7 @@ class PackedKDA(nn.Module):
             agreement = post_agreement("PackedKDA.conv_qkv", plan, group, facts, problem, q)
         return self._conv_qkv(q, k, v, cu_seqlens, plan, agreement)
 
-    def _conv_qkv(self, q, k, v, cu_seqlens, plan, agreement, v_ahead=None):
+    def _conv_qkv(self, q, k, v, cu_seqlens, plan, agreement):
         """conv_qkv with the ranks' agreement posted (under CP: the tails gathered before it is read, then
         one all_gather each way for the three halos)."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
@@ -138,8 +134,7 @@ class PackedKDA(nn.Module):
             out = [conv(x, w, b, cu_seqlens, fused and name != "v")
                    for x, w, b, name in zip((q, k, v), weights, biases, "qkv")]
         else:
-            out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, conv=cp_conv, agreement=agreement,
-                                 ahead=(None, None, v_ahead))
+            out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, conv=cp_conv, agreement=agreement)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
         if self.qk_l2norm and not fused:  # else normalised in the conv's pass (PyTorch's took ~60 ms of B3 on Q1)
             qc, kc = l2norm_torch(qc), l2norm_torch(kc)
@@ -189,9 +184,8 @@ class PackedKDA(nn.Module):
                                                    backend)
         conv_known, conv_problem = conv_facts([q, k, v], plan)
         agreement = post_agreement("PackedKDA", plan, group, {**conv_known, **facts}, conv_problem or problem, q)
-        v_ahead = ConvBackwardAhead() if os.environ.get(CONV_AHEAD_KNOB, "0") == "1" else None
-        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, agreement, v_ahead)
+        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, agreement)
         o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=agreement.group, scale=scale,
                                        initial_state=initial_state, output_final_state=output_final_state,
-                                       backward=self.backward_mode, backend=backend, after_dv=v_ahead)
+                                       backward=self.backward_mode, backend=backend)
         return o.to(q.dtype), final

@@ -125,35 +125,7 @@ def _run_op(rank, case):
 
 
 def _run_module(rank, case):
-    """PackedKDA (conv + halo + L2 norm + CP KDA) on the shards, both backward modes; then again with v's
-    conv backward run ahead by KDA's backward (nn.CONV_AHEAD_KNOB): results under "ahead:<mode>", and
-    how many backward passes took the result computed ahead under "ahead_used:<mode>"."""
-    import kda_aot.nn as nn_module
-    out = _module_modes(case)
-    made = []
-
-    class Recording(nn_module.ConvBackwardAhead):
-        def __init__(self):
-            super().__init__()
-            made.append(self)
-
-    saved_cls, saved_knob = nn_module.ConvBackwardAhead, os.environ.get(nn_module.CONV_AHEAD_KNOB)
-    nn_module.ConvBackwardAhead, os.environ[nn_module.CONV_AHEAD_KNOB] = Recording, "1"
-    try:
-        for mode in case["modes"]:
-            made.clear()
-            out["ahead:" + mode] = _module_modes(dict(case, modes=[mode]))[mode]
-            out["ahead_used:" + mode] = sum(a.used for a in made)
-    finally:
-        nn_module.ConvBackwardAhead = saved_cls
-        if saved_knob is None:
-            del os.environ[nn_module.CONV_AHEAD_KNOB]
-        else:
-            os.environ[nn_module.CONV_AHEAD_KNOB] = saved_knob
-    return out
-
-
-def _module_modes(case):
+    """PackedKDA (conv + halo + L2 norm + CP KDA) on the shards, both backward modes."""
     plan = cp.make_plan(case["cu"], case["layout"], group=dist.group.WORLD)
     x = case["inputs"]
     out = {}

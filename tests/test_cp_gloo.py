@@ -318,68 +318,6 @@ def check_module(res, W, layout, pack):
 
 
 @pytest.mark.parametrize("W,layout,pack", GRID)
-def test_module_conv_backward_ahead_is_bitwise(W, layout, pack):
-    """KDA_AOT_CP_CONV_AHEAD=1: v's conv backward run by KDA's backward once it has dv (ConvBackwardAhead;
-    on the GPU beside kda_bwd_gate) - every output and gradient bitwise the plain run's, in both modes,
-    and the conv's backward took that result on every rank that holds tokens (once per backward)."""
-    check_conv_backward_ahead(results(W, f"module/{layout}/{pack}"), plans(W, layout, pack), f"W={W} {layout} {pack}")
-
-
-def test_conv_backward_ahead_takes_only_its_own_result():
-    """ConvBackwardAhead: the conv's backward takes the result computed ahead only for the forward that
-    armed it (its token) and from the very gradient tensor, unchanged (storage, shape, strides, version);
-    anything else gets None (the conv computes it itself). The armed inputs are let go once used."""
-    from kda_aot.cp.halo import ConvBackwardAhead, ReferenceConv
-    gen = torch.Generator().manual_seed(SEED)
-    x, w, b = torch.randn(1, 10, 8, generator=gen), torch.randn(8, 4, generator=gen), torch.randn(8, generator=gen)
-    halo, cu, conv = torch.randn(2, 3, 8, generator=gen), (0, 4, 10), ReferenceConv()
-    want = conv.backward(x, w, b, cu, halo, torch.ones(1, 10, 8))
-
-    def run_ahead():
-        a = ConvBackwardAhead()
-        token = a.arm(conv, x, w, b, cu, halo)
-        dv = torch.ones(1, 10, 2, 4)            # KDA's [1, T, H, V]
-        assert a(dv) is None and a.armed is None  # on the CPU: computed at once, nothing to join
-        return a, token, dv.view(1, 10, 8)      # what the conv's backward gets: a view of it
-    a, token, dy = run_ahead()
-    got = a.take(token, dy)
-    assert got is not None and all(torch.equal(u, v) for u, v in zip(got, want))
-    assert a.take(token, dy) is None, "taken twice"
-    assert ConvBackwardAhead()(torch.ones(1, 10, 2, 4)) is None, "not armed: nothing computed"
-    a, token, dy = run_ahead()
-    assert a.take(object(), dy) is None, "another forward's result"
-    a, token, dy = run_ahead()
-    assert a.take(token, dy.clone()) is None, "another tensor"
-    a, token, dy = run_ahead()
-    assert a.take(token, dy.reshape(10, 8)) is None, "another shape"
-    a, token, dy = run_ahead()
-    dy.mul_(2)
-    assert a.take(token, dy) is None, "changed in place"
-
-
-def test_conv1d_silu_cp_refuses_ahead_entries_of_another_count_before_any_collective():
-    """A wrong `ahead` is this rank's own mistake: raised before the agreement's collective (no process
-    group is even needed), not after it, where the other ranks would wait in the halo exchange."""
-    from kda_aot.cp.halo import ConvBackwardAhead
-    plan = cp.make_plan(torch.tensor([0, 10]), "contiguous", world_size=2, rank=0)
-    x = torch.zeros(1, plan.num_local_tokens, 8)
-    with pytest.raises(ValueError, match="1 inputs but 2 ahead entries"):
-        cp.conv1d_silu_cp([x], [torch.zeros(8, 4)], plan=plan, ahead=[None, ConvBackwardAhead()])
-
-
-def check_conv_backward_ahead(res, plan, what):
-    """cp_workers._run_module's "ahead:<mode>" runs against its plain ones, bitwise; "ahead_used:<mode>"."""
-    for r, out in enumerate(res):
-        holds = bool(plan.for_rank(r).local_fragments)
-        for mode in ("saved", "replay"):
-            assert out["ahead_used:" + mode] == (1 if holds else 0), (what, r, mode)
-            for key, a in out[mode].items():
-                b = out["ahead:" + mode][key]
-                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
-                    f"{what} rank {r} {mode}: {key} differs with the conv backward run ahead (seed {SEED})"
-
-
-@pytest.mark.parametrize("W,layout,pack", GRID)
 def test_conv_halo_matches_single_device(W, layout, pack):
     check_conv(results(W, f"conv/{layout}/{pack}"), W, layout, pack)
 

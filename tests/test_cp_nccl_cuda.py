@@ -132,14 +132,6 @@ def test_cuda_backend_matches_reference(layout, pack, summaries):
 
 
 @pytest.mark.parametrize("layout", cp.LAYOUTS)
-def test_cuda_module_conv_backward_ahead_is_bitwise(layout):
-    """KDA_AOT_CP_CONV_AHEAD=1 on the kernels: v's conv backward on a side stream beside kda_bwd_gate, taken
-    by the conv's backward; every output and gradient bitwise the plain run's, both modes."""
-    plan = cp.make_plan(G.cu_of(PACKS["spans"]), layout, world_size=W, rank=0)
-    G.check_conv_backward_ahead(results(f"module/{layout}/spans"), plan, f"cuda module {layout}")
-
-
-@pytest.mark.parametrize("layout", cp.LAYOUTS)
 def test_cuda_module_matches_fp64_single_device(layout):
     """PackedKDA(backend="cuda") under CP2 (conv halo, L2 norm, CP KDA on the kernels): o and every
     gradient (q, k, v, g, beta, conv weights and biases) vs the fp64 single-device module; same

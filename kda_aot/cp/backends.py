@@ -88,17 +88,12 @@ class ReferenceBackend:
         ctx = (inputs, o, finals) if keep else None
         return o.detach(), finals.detach(), ctx
 
-    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, after_dv=None):
-        """after_dv(dv): called with dv once it is computed (here: with the others; see CudaBackend)."""
+    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         inputs, o, finals = ctx
         grads = torch.autograd.grad((o, finals), inputs,
                                     (do.to(self.dtype), dfinals.to(self.dtype)),
                                     retain_graph=True, allow_unused=True)
-        grads = tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads))
-        join = after_dv(grads[2]) if after_dv is not None else None
-        if join is not None:
-            join()
-        return grads
+        return tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads))
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         return self.backward(ctx, do, dfinals)[5]
@@ -227,15 +222,13 @@ class CudaBackend:
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                                        tuple(skip_bwd), pieced=os.environ.get(REPLAY_PIECES_KNOB, "1") == "1")
 
-    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = (),
-                 after_dv=None):
+    def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
         rewalk (with walk): segments whose walk ran from a stand-in exit-state gradient and runs again
-        from dfinals' rows (beside kda_bwd_chunk over the other segments where that hides it);
-        after_dv: kda.chunk_kda_bwd's (work on dv beside kda_bwd_gate)."""
+        from dfinals' rows (beside kda_bwd_chunk over the other segments where that hides it)."""
         from ..kda import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                             walk=walk, rewalk=rewalk, after_dv=after_dv)
+                             walk=walk, rewalk=rewalk)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         from ..kda import chunk_kda_bwd_walk

@@ -29,7 +29,7 @@ from ..reference import CONV_WIDTH
 from .exchange import Agreement, exchange_flat, payload_layout, post_agreement
 from .plan import CPPlan, Fragment
 
-__all__ = ["conv_halo", "conv1d_silu_cp", "ReferenceConv", "CudaConv", "ConvBackwardAhead", "conv_facts"]
+__all__ = ["conv_halo", "conv1d_silu_cp", "ReferenceConv", "CudaConv", "conv_facts"]
 
 HALO = CONV_WIDTH - 1
 
@@ -226,82 +226,18 @@ def _host_bounds(cu_seqlens) -> torch.Tensor:
     return cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens, dtype=torch.int32)
 
 
-class ConvBackwardAhead:
-    """One conv of conv1d_silu_cp with its backward run ahead by the op its output feeds. PackedKDA: v's
-    conv backward needs only dv, which KDA's backward has after kda_bwd_chunk, a whole kda_bwd_gate
-    (7.5 ms, compute-bound) before KDA's autograd node returns and the conv's node can start; called as
-    chunk_kda_bwd's after_dv, this launches it on a side stream beside the gate and returns the join.
-    The conv's own backward then takes the result when it comes from the forward that node belongs to
-    (a token per arm) and the gradient it gets is that very tensor (same storage, shape, strides and
-    version: nothing changed it on the way), else computes it itself. The parts are the same calls on
-    the same values: bitwise the same gradients. The inputs are held from arm() to the call only (the
-    conv's node holds them for its own backward anyway); a result no conv backward takes (a backward
-    that stops before the conv) is held until the next arm() or until the graph goes."""
-
-    def __init__(self):
-        self.armed = None   # (token, conv, x, w, b, cu_seqlens, halo): set by the conv's forward
-        self.done = None    # (token, dy, its version, (dx, dw, db, dhalo)): set here, taken by the conv's backward
-        self.used = 0       # backward passes whose conv took the result (tests)
-
-    def arm(self, conv, x, w, b, cu_seqlens, halo) -> object:
-        """Called by the conv's forward; returns the token its backward passes to take()."""
-        token = object()
-        self.armed, self.done = (token, conv, x, w, b, cu_seqlens, halo), None
-        return token
-
-    def __call__(self, dv: torch.Tensor):
-        armed, self.armed = self.armed, None
-        if armed is None:
-            return None
-        token, conv, x, w, b, cu, halo = armed
-        dy = dv.reshape(x.shape)  # KDA's [1, T, H, V] is the conv's [1, T, D]: a view
-        if not dy.is_cuda:
-            self.done = (token, dy, dy._version, conv.backward(x, w, b, cu, halo, dy))
-            return None
-        from ..kda import _side_streams
-        main = torch.cuda.current_stream(dy.device)
-        side = _side_streams(dy.device, 1, "conv backward ahead")[0]
-        side.wait_stream(main)
-        try:
-            with torch.cuda.stream(side):
-                parts = conv.backward(x, w, b, cu, halo, dy)
-            for t in parts:  # allocated on the side stream, read on the main one after the join
-                if t is not None:
-                    t.record_stream(main)
-        except BaseException:
-            main.wait_stream(side)  # what was queued may still read the caller's tensors
-            raise
-        self.done = (token, dy, dy._version, parts)
-        return lambda: main.wait_stream(side)
-
-    def take(self, token: object, dy: torch.Tensor):
-        """The parts computed ahead if they were computed for the forward of `token` from `dy` (and
-        forget them), else None."""
-        done, self.done = self.done, None
-        if done is None:
-            return None
-        done_token, ahead_dy, version, parts = done
-        same = (done_token is token and ahead_dy.data_ptr() == dy.data_ptr() and ahead_dy.shape == dy.shape
-                and ahead_dy.dtype == dy.dtype and ahead_dy.stride() == dy.stride() and dy._version == version)
-        return parts if same else None
-
-
 class _ConvSiluCP(torch.autograd.Function):
     """y_i = conv(x_i, w_i, b_i, local segments, halo_i) for i = 1..n, the halos in one exchange each way."""
 
     @staticmethod
-    def forward(ctx, plan: CPPlan, group, convs, n: int, tails, ahead, *tensors):
+    def forward(ctx, plan: CPPlan, group, convs, n: int, tails, *tensors):
         xs, ws, bs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
         halos = _halos(plan, group, xs, tails)
         if plan.local_fragments:
             ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for conv, x, w, b, h in zip(convs, xs, ws, bs, halos)]
-            tokens = tuple(None if a is None else a.arm(convs[i], xs[i], ws[i], bs[i], plan.local_cu_seqlens, halos[i])
-                           for i, a in enumerate(ahead))
         else:  # no token here: empty outputs, and the backward still joins the collective
             ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(convs, xs)]
-            tokens = (None,) * n
         ctx.cfg = (plan, group, convs, n)
-        ctx.ahead = tuple(zip(ahead, tokens))
         ctx.save_for_backward(*xs, *ws, *bs, *halos)
         return tuple(ys)
 
@@ -312,12 +248,8 @@ class _ConvSiluCP(torch.autograd.Function):
         saved = ctx.saved_tensors
         xs, ws, bs, halos = (saved[i * n:(i + 1) * n] for i in range(4))
         if plan.local_fragments:
-            ahead = [None if a is None else a.take(token, dy) for (a, token), dy in zip(ctx.ahead, dys)]
-            parts = [done or conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
-                     for done, conv, x, w, b, h, dy in zip(ahead, convs, xs, ws, bs, halos, dys)]
-            for (a, _), done in zip(ctx.ahead, ahead):
-                if done is not None:
-                    a.used += 1
+            parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
+                     for conv, x, w, b, h, dy in zip(convs, xs, ws, bs, halos, dys)]
         else:
             parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
                      for x, w, b, h in zip(xs, ws, bs, halos)]
@@ -333,7 +265,7 @@ class _ConvSiluCP(torch.autograd.Function):
                 add = grads[:, first:first + d]
                 dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
                 first += d
-        return (None, None, None, None, None, None, *dxs, *[p[1] for p in parts], *[p[2] for p in parts])
+        return (None, None, None, None, None, *dxs, *[p[1] for p in parts], *[p[2] for p in parts])
 
 
 def conv_facts(xs: Sequence[torch.Tensor], plan: CPPlan) -> Tuple[dict, Optional[str]]:
@@ -388,7 +320,7 @@ class _ConvHalo(torch.autograd.Function):
 
 
 def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="reference",
-                   agreement: Optional[Agreement] = None, ahead: Optional[Sequence] = None):
+                   agreement: Optional[Agreement] = None):
     """Collective, differentiable: the causal conv1d + SiLU of this rank's tokens under CP.
 
     xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
@@ -400,8 +332,7 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     results that must still reach the loss (the backward is collective).
     agreement: an agreement the caller posted (post_agreement) with conv_facts(xs, plan) among its
     facts (PackedKDA: one for its whole call); None: this call posts its own. Either way the tails
-    are gathered on the GPU before the host waits for it. ahead: one ConvBackwardAhead or None per x (the
-    convs whose backward the op their output feeds may run ahead).
+    are gathered on the GPU before the host waits for it.
     """
     single = isinstance(xs, torch.Tensor)
     xs = [xs] if single else list(xs)
@@ -413,13 +344,10 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     convs = tuple(conv) if isinstance(conv, (list, tuple)) else (conv,) * len(xs)
     if len(convs) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(convs)} conv ops")
-    ahead = tuple(ahead) if ahead is not None else (None,) * len(xs)
-    if len(ahead) != len(xs):
-        raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(ahead)} ahead entries")
     if agreement is None:
         facts, problem = conv_facts(xs, plan)
         agreement = post_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
     tails = _published_tails(plan, xs) if agreement.locally_ok else None
     group, _, _ = agreement.wait()
-    ys = _ConvSiluCP.apply(plan, group, convs, len(xs), tails, ahead, *xs, *weights, *biases)
+    ys = _ConvSiluCP.apply(plan, group, convs, len(xs), tails, *xs, *weights, *biases)
     return ys[0] if single else list(ys)

@@ -170,7 +170,7 @@ def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, k
 class _ChunkKdaCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final,
-                mode, backend, after_dv=None):
+                mode, backend):
         H, K, V = q.shape[2], q.shape[3], v.shape[-1]
         sd = backend.state_dtype
         local = plan.local_fragments
@@ -250,7 +250,6 @@ class _ChunkKdaCP(torch.autograd.Function):
 
         ctx.cfg = (plan, group, scale, want_final, mode, backend, (H, K, V),
                    initial_state is not None)
-        ctx.after_dv = after_dv
         ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
         ctx.h0_dtype = None if initial_state is None else initial_state.dtype
         if mode == "saved":
@@ -336,18 +335,17 @@ class _ChunkKdaCP(torch.autograd.Function):
                      zip(((H, K), (H, K), (H, V), (H, K), (H,)), dtypes)]
             dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
                    if has_h0 else None)
-            return (*grads, dh0) + (None,) * 7
+            return (*grads, dh0) + (None,) * 6
         true = known.clone()
         for f in local:
             if not f.is_last:
                 true[f.segment] = dS_out[f.index].to(device)
         with _Phase("bwd local", device):
-            ahead = {} if ctx.after_dv is None else {"after_dv": ctx.after_dv}
             if walk is not None:
                 final_pass = backend.backward(lctx, do, true, walk=walk,
-                                              rewalk=[f.segment for f in local if not f.is_last], **ahead)
+                                              rewalk=[f.segment for f in local if not f.is_last])
             else:
-                final_pass = backend.backward(lctx, do, true, **ahead)
+                final_pass = backend.backward(lctx, do, true)
         grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
         dh0 = None
         if has_h0:
@@ -357,7 +355,7 @@ class _ChunkKdaCP(torch.autograd.Function):
             for f in local:
                 if f.position == 0:
                     dh0[f.doc] = final_pass[5][f.segment].to(ctx.h0_dtype)
-        return (*grads, dh0) + (None,) * 7
+        return (*grads, dh0) + (None,) * 6
 
 
 def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[float] = None,
@@ -412,15 +410,13 @@ def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: st
 
 
 def chunk_kda_cp_agreed(q, k, v, g, beta, *, plan: CPPlan, group, scale: float, initial_state, output_final_state,
-                        backward: str, backend, after_dv=None):
+                        backward: str, backend):
     """chunk_kda_cp once the ranks have agreed (check_agreement on kda_facts, e.g. PackedKDA's one
-    check for its whole call): group resolved, scale set, backend an object. after_dv: called in the
-    backward with this rank's dv as soon as the backend has it (kda.chunk_kda_bwd's; PackedKDA: v's
-    conv backward run ahead, ConvBackwardAhead)."""
+    check for its whole call): group resolved, scale set, backend an object."""
     # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing.
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     o, final = _ChunkKdaCP.apply(q, k, v, g, beta, initial_state, plan, group, float(scale),
                                  bool(output_final_state), backward if needs_grad else "replay",
-                                 backend, after_dv)
+                                 backend)
     return o, (final if output_final_state else None)
