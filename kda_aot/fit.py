@@ -222,18 +222,22 @@ def last_group_pieces(chain_lengths, first: tuple = ()) -> list | None:
 def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: bool = False):
     """(group, chunk bounds) of the group the pipelined forward cuts in pieces (plan_pipeline(chain_lengths,
     first)'s index), or None. One GPU: the last group (last_group_pieces). Context parallelism (cp): the
-    one-segment group of the longest chain that is neither sent (first) nor deferred - the rank's
-    critical walk there, as a CP rank holds half the tokens but whole long documents (session 9, CP2 Q1
-    contiguous: rank 1's 1,216-chunk document waited 2.77 ms for its whole chunk stage, then walked
-    5.24 ms); its first piece launches ahead of everything (kda._pipelined)."""
+    one-segment group of the longest chain that is not deferred - the rank's critical walk there, as a
+    CP rank holds half the tokens but whole long documents (session 9, CP2 Q1 contiguous: rank 1's
+    1,216-chunk document waited 2.77 ms for its whole chunk stage, then walked 5.24 ms); its first piece
+    launches ahead of everything (kda._pipelined). A sent chain (first) too, also when it is the rank's
+    only one (session 11: CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
+    whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange); not with
+    CP_PIECE_SENDERS_KNOB=0 (A/B)."""
     lengths = [int(n) for n in chain_lengths]
     groups = plan_pipeline(lengths, first)
     if not cp:
         bounds = last_group_pieces(lengths, first)
         return None if bounds is None else (len(groups) - 1, bounds)
-    candidates = [i for i, (a, b) in enumerate(groups) if b - a == 1 and a not in first and a not in deferred
-                  and lengths[a] >= 2 * MIN_PIECE_CHUNKS]
-    if len(groups) < 2 or not candidates:
+    senders_too = os.environ.get(CP_PIECE_SENDERS_KNOB, "1") == "1"
+    candidates = [i for i, (a, b) in enumerate(groups) if b - a == 1 and (senders_too or a not in first)
+                  and a not in deferred and lengths[a] >= 2 * MIN_PIECE_CHUNKS]
+    if (len(groups) < 2 and not senders_too) or not candidates:
         return None
     i = max(candidates, key=lambda g: (lengths[groups[g][0]], -g))
     a = groups[i][0]
@@ -242,6 +246,7 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     return i, [start + (n * p) // pieces for p in range(pieces + 1)]
 
 
+CP_PIECE_SENDERS_KNOB = "KDA_AOT_CP_PIECE_SENDERS"
 # The CP forward cuts the rank's critical chain into this many pieces, and launches the senders'
 # chunk stage after the first half of them: the walk trails the chunk stage by (walk - chunk stage)
 # per piece (session 9, CP2 Q1 contiguous rank 0: 1.73 against 1.2 ms per quarter of its 1,584-chunk

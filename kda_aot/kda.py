@@ -242,7 +242,7 @@ def _pipeline_on(pipeline=None) -> bool:
 
 
 def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, pieced=None,
-               before_join=None, first: tuple = (), lead: bool = False, piece_order=None):
+               before_join=None, first: tuple = (), lead: bool = False, piece_order=None, stage_done=None):
     """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
     stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
     side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
@@ -255,8 +255,10 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     before_join(groups, streams): called
     once every launch is queued, before the side streams are joined (its launches on the current
     stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
-    segments that go first. The side streams are joined back into the current stream, also when a
-    launch raises: queued work may still read the caller's tensors."""
+    segments that go first (the pieced group may be one of them). stage_done (a dict): {group: an
+    event recorded on the current stream once that group's chunk stage is queued}. The side streams are
+    joined back into the current stream, also when a launch raises: queued work may still read the
+    caller's tensors."""
     q = prepared["q"]
     groups = fit.plan_pipeline(prepared["chain_lengths"], first)
     first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
@@ -270,7 +272,8 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
         rest = [g for g in launches if g != (k, None)]
         if lead:  # the rank's critical walk starts at once; the senders' chunk stage once it has slack (fit)
             h = fit.lead_pieces(len(pieces))
-            launches = pieces[:h] + rest[:len(first)] + pieces[h:] + rest[len(first):]
+            senders = sum(1 for i, _ in rest if groups[i][0] in first)  # their groups lead `rest`
+            launches = pieces[:h] + rest[:senders] + pieces[h:] + rest[senders:]
         else:
             launches = rest[:k] + pieces + rest[k:]
     try:
@@ -282,6 +285,8 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
                 _launch_chunk_stage(prepared, chunk_form, initial_state, bounds[p], bounds[p + 1])
             for pool in streams:
                 pool[i].wait_stream(main)
+            if stage_done is not None and p is None:
+                stage_done[i] = main.record_event()
             if p is None:
                 launch_group(i, a, b, [pool[i] for pool in streams])
             else:
@@ -295,7 +300,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
 
 
 def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
-                   tape_form, want_output, deferred=(), entering=None, senders=()):
+                   tape_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False):
     """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
     the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
     plain order: bitwise the same. The outputs are allocated before, on the current stream.
@@ -304,7 +309,10 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     `deferred` segments are left out of the groups; once the whole chunk stage is queued and the
     senders' walks are done, entering(prepared, final_state) gives the deferred segments' entering
     states (in `deferred`'s order, sorted) and they are walked from them on the current stream,
-    beside the other walks."""
+    beside the other walks. exchange_beside: entering and the deferred walks on a stream of their own
+    that waits for the senders' walks and the deferred segments' chunk stage only, not for the whole
+    chunk stage (which the walks beside it may slow): the exchange goes as soon as both ranks' senders
+    are done."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
@@ -351,24 +359,34 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
 
     def walk_deferred(groups, streams):
         main = torch.cuda.current_stream(q.device)
-        for i, (a, b) in enumerate(groups):  # the senders' final states, read on this stream
+        on = _side_streams(q.device, 1, "kda_fwd_tape/exchange")[0] if exchange_beside else main
+        for i, (a, b) in enumerate(groups):  # the senders' final states, read on that stream
             if any(a <= s < b for s in first):
                 for side in streams[i]:
-                    main.wait_stream(side)
-        states = entering(prepared, full["final_state"])  # CP summaries and exchange, on this stream
-        if not deferred:
-            return
-        part = {name: x for name, x in full.items() if x is not None}
-        start = 0
-        for ra, rb in segment_runs(set(deferred), len(lengths)):
-            n = rb - ra
-            chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
-                           output_final_state=True, save_tape=save_tape,
-                           out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
-                           want_output=want_output, pool="kda_fwd_tape/deferred")
-            start += n
+                    on.wait_stream(side)
+        if exchange_beside:  # the deferred segments' chunk stage (their summaries and walks read it)
+            last = [i for i, (a, b) in enumerate(groups) if any(a <= s < b for s in deferred)]
+            if last:
+                queued = list(stage_done)  # in launch order: the last one queued covers the others
+                on.wait_event(stage_done[max(last, key=queued.index)])
+        try:
+            with torch.cuda.stream(on):
+                states = entering(prepared, full["final_state"])  # CP summaries and exchange
+                part = {name: x for name, x in full.items() if x is not None}
+                start = 0
+                for ra, rb in segment_runs(set(deferred), len(lengths)):
+                    n = rb - ra
+                    chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
+                                   output_final_state=True, save_tape=save_tape,
+                                   out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
+                                   want_output=want_output, pool="kda_fwd_tape/deferred")
+                    start += n
+        finally:
+            if on is not main:
+                main.wait_stream(on)
+    stage_done = {} if exchange_beside else None
     _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces,
-               walk_deferred if entering is not None else None, first, lead=cp)
+               walk_deferred if entering is not None else None, first, lead=cp, stage_done=stage_done)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None
@@ -381,7 +399,7 @@ def segment_runs(segments, n: int) -> list:
 
 
 def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape,
-                           senders=()):
+                           senders=(), exchange_beside=False):
     """The pipelined forward (output and final states) for context parallelism: the chunk stage a
     segment group at a time, the walks of the segments whose entering state is known here
     (initial_state's rows; the `deferred` rows are not read) beside it, the `senders` segments first;
@@ -389,12 +407,13 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     the summaries that read the chunk stage, the senders' final states, the exchange - returns the
     deferred segments' entering states [len(deferred), H, 128, 128] fp32 (sorted order), and their
     walks run beside the others. entering is called on every call (the exchange is collective).
+    exchange_beside: see _fwd_pipelined (the tensors entering returns are then made on that stream).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, tape_form=None, want_output=True, deferred=deferred,
-                                     entering=entering, senders=senders)
+                                     entering=entering, senders=senders, exchange_beside=exchange_beside)
     saved["initial_state"] = None  # its deferred rows were placeholders (the backward reads the tape)
     return o, final, saved
 

@@ -250,14 +250,22 @@ def test_rewalk_beside():
     assert fit.rewalk_beside(tuple([40] * 8) + (2000,), tuple(range(8)), 32, 132) is None  # 256 chains
 
 
-def test_pieced_group():
-    """One GPU: the last group when it is one segment; CP: the longest chain neither sent nor deferred."""
+def test_pieced_group(monkeypatch):
+    """One GPU: the last group when it is one segment; CP: the longest chain not deferred, a sent one too
+    (also alone: no other group), unless CP_PIECE_SENDERS_KNOB is "0"."""
     assert fit.pieced_group((1585, 641, 1216, 465)) == (3, fit.last_group_pieces((1585, 641, 1216, 465)))
     assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [198 * p for p in range(9)])  # CP2 Q1 rank 0
     assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272 + 152 * p for p in range(9)])  # rank 1
     assert fit.pieced_group((272, 1216, 465), (), (1,), True)[1][:2] == [1488, 1546]
-    assert fit.pieced_group((272, 40), (1,), (0,), True) is None  # only the deferred and the sent one
+    assert fit.pieced_group((272, 40), (1,), (0,), True) == (0, [272 + 8 * p for p in range(6)])  # the sent one
+    assert fit.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (0, [128 * p for p in range(9)])  # Q3 zigzag
     assert fit.pieced_group((272, 20, 10), (), (0,), True) == (1, [272, 282, 292])  # 2 pieces of >= 8 chunks
     assert fit.pieced_group((272, 10), (), (0,), True) is None  # too short to cut
     assert [fit.lead_pieces(n) for n in (2, 3, 8)] == [1, 1, 4]
-    assert fit.pieced_group((700,), (), (), True) is None       # one group: no pipeline
+    assert fit.pieced_group((700,), (), (), True) == (0, [700 * p // 8 for p in range(9)])  # alone (Q2 rank 0)
+    assert fit.pieced_group((700,), (0,), (), True)[0] == 0
+    assert fit.pieced_group((272, 10), (1,), (0,), True) is None  # too short to cut
+    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, "0")            # the rule before session 11
+    assert fit.pieced_group((272, 40), (1,), (0,), True) is None
+    assert fit.pieced_group((700,), (), (), True) is None
+    assert fit.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (1, [1218 + 625 * p // 8 for p in range(9)])

@@ -118,6 +118,12 @@ class _Stream:
     def wait_stream(self, other):
         pass
 
+    def record_event(self):
+        return object()
+
+    def wait_event(self, event):
+        assert event is not None
+
 
 @pytest.fixture
 def emulated(monkeypatch):
@@ -199,17 +205,24 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
 @pytest.mark.parametrize("lens,deferred,senders", [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]),
                                                    ([40] * 30 + [900, 5], [], [31]),
                                                    ([40] * 30 + [900, 5], [30], [0, 31]), ([700], [], [0]),
-                                                   ([2000, 300], [], [1]), ([300, 2000, 300], [0], [2])],
-                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender", "lead-piece", "pieced-middle"])
+                                                   ([2000, 300], [], [1]), ([300, 2000, 300], [0], [2]),
+                                                   ([2000, 300, 500, 40], [1], [0, 3])],
+                         ids=["2-first", "6-three", "32-none", "32-long", "1-sender", "lead-piece", "pieced-middle",
+                              "pieced-sender"])
 @pytest.mark.parametrize("keep", [True, False])
-def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep):
+@pytest.mark.parametrize("beside,piece_senders", [("1", "1"), ("0", "0")], ids=["beside", "main-stream"])
+def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep, beside,
+                                                  piece_senders):
     """The CUDA CP backend's forward_pipelined (KDA_AOT_CP_PIPELINE, the default): the walks of the
     segments with a known entering state beside the chunk stage, the senders' first,
     entering(prepared, final_state) once the chunk stage is queued (called once, also with nothing
     deferred: the exchange is collective) with the senders' final states already there, the deferred
     segments' walks from what it returns; against prepare() then forward() with the same entering
-    states."""
-    from kda_aot.cp.backends import CudaBackend
+    states. beside: the exchange and the deferred walks on a stream of their own (the default), the
+    sent chains pieced when they are the longest (1-sender, pieced-sender); main-stream: neither."""
+    from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
+    monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
+    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, piece_senders)
     _nan_empty(monkeypatch)
     q, k, v, g, beta, cu, known, _, later = _inputs(lens, 2, SEED + 7)
     backend, bounds = CudaBackend(), cu.tolist()

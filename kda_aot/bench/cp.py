@@ -132,9 +132,12 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
             if plain_order:  # the CP path's plain order against the pipelined one (the default)
                 arms[(PLAIN_ORDER_ARM, "B1")] = with_env(PIPELINE_KNOB, "0", b1)
                 arms[(PLAIN_ORDER_ARM, "B3")] = with_env(PIPELINE_KNOB, "0", b3)
-            for knob, value in ab:  # an environment knob's other setting, as an arm of its own
-                arms[(f"kda_aot/{knob}={value}", "B1")] = with_env(knob, value, b1)
-                arms[(f"kda_aot/{knob}={value}", "B3")] = with_env(knob, value, b3)
+            for knobs in ab:  # environment knobs' other settings, as an arm of their own
+                name = "kda_aot/" + ",".join(f"{knob}={value}" for knob, value in knobs)
+                arm_b1, arm_b3 = b1, b3
+                for knob, value in knobs:
+                    arm_b1, arm_b3 = with_env(knob, value, arm_b1), with_env(knob, value, arm_b3)
+                arms[(name, "B1")], arms[(name, "B3")] = arm_b1, arm_b3
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -200,13 +203,13 @@ def main(argv=None) -> int:
     p.add_argument("--plain-order", action="store_true",
                    help=f"add the arm {PLAIN_ORDER_ARM} ({PIPELINE_KNOB}=0: the CP path's plain order instead of the "
                         "chunk stage pipelined with the walks)")
-    p.add_argument("--ab", action="append", default=[], metavar="KNOB=VALUE",
-                   help="add the arm kda_aot/KNOB=VALUE: the environment knob set so during its calls (repeatable; "
-                        "e.g. KDA_AOT_CP_REPLAY_PIECES=0)")
+    p.add_argument("--ab", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE]",
+                   help="add the arm kda_aot/KNOB=VALUE[,..]: the environment knobs set so during its calls "
+                        "(repeatable; e.g. KDA_AOT_CP_REPLAY_PIECES=0)")
     args = p.parse_args(argv)
-    ab = [tuple(x.split("=", 1)) for x in args.ab]
-    if any(len(x) != 2 or not x[0] for x in ab):
-        p.error(f"--ab: expected KNOB=VALUE, got {args.ab}")
+    ab = [tuple(tuple(kv.split("=", 1)) for kv in x.split(",")) for x in args.ab]
+    if any(len(kv) != 2 or not kv[0] for knobs in ab for kv in knobs):
+        p.error(f"--ab: expected KNOB=VALUE[,KNOB=VALUE], got {args.ab}")
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
         p.error(f"--layouts: expected a subset of {LAYOUTS}, got {args.layouts}")

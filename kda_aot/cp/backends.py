@@ -52,6 +52,9 @@ from .._tensor import host_table_to
 
 # The CP replay walks the rank's longest chain in pieces unless this knob is "0" (bench cp --ab).
 REPLAY_PIECES_KNOB = "KDA_AOT_CP_REPLAY_PIECES"
+# The CP forward's exchange and deferred walks on a stream of their own unless this knob is "0"
+# (kda.chunk_kda_fwd_deferred(exchange_beside=)).
+EXCHANGE_BESIDE_KNOB = "KDA_AOT_CP_EXCHANGE_BESIDE"
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -196,13 +199,15 @@ class CudaBackend:
         one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
         entering(prepared, final_state) then runs the summaries and the exchange (the senders' exit
         states are their final_state rows) and returns the deferred segments' entering states, whose
-        walks run beside the others. Each segment's walk is the one forward() runs: the same bits."""
+        walks run beside the others; entering runs on a stream of its own (EXCHANGE_BESIDE_KNOB): what it
+        makes that the caller keeps must be record_stream'd onto the current stream. Each segment's walk
+        is the one forward() runs: the same bits."""
         from ..kda import chunk_kda_fwd_deferred
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         o, finals, saved = chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
             deferred=deferred, entering=lambda prepared, finals: entering(prepared, finals).to(torch.float32).contiguous(),
-            save_tape=keep, senders=senders)
+            save_tape=keep, senders=senders, exchange_beside=os.environ.get(EXCHANGE_BESIDE_KNOB, "1") == "1")
         return o, finals, (saved if keep else None)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,

@@ -224,6 +224,10 @@ class _ChunkKdaCP(torch.autograd.Function):
                                             [f.segment for f in local if f.needs_state], entering,
                                             [f.segment for f in local if not f.needs_state and not f.is_last])
             S_in, M_local = got["S_in"], got["M_local"]
+            if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
+                main = torch.cuda.current_stream(q.device)
+                for t in (*S_in.values(), *M_local.values()):
+                    t.record_stream(main)
         else:
             # 0. the local work that needs no entering state (a backend that can split it off), so
             #    that it runs while this rank waits for the others' summaries.
