@@ -227,7 +227,8 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     1,216-chunk document waited 2.77 ms for its whole chunk stage, then walked 5.24 ms); its first piece
     launches ahead of everything (kda._pipelined). A sent chain (first) too, also when it is the rank's
     only one (session 11: CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
-    whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange); not with
+    whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange; the CP
+    replay, which sends nothing, then pieces a rank's only chain too); neither with
     CP_PIECE_SENDERS_KNOB=0 (A/B)."""
     lengths = [int(n) for n in chain_lengths]
     groups = plan_pipeline(lengths, first)

@@ -306,13 +306,14 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     plain order: bitwise the same. The outputs are allocated before, on the current stream.
     deferred, entering, senders (context parallelism, chunk_kda_fwd_deferred): the `senders`
     segments go first (their walks' final states are what other ranks wait for); the walks of the
-    `deferred` segments are left out of the groups; once the whole chunk stage is queued and the
-    senders' walks are done, entering(prepared, final_state) gives the deferred segments' entering
-    states (in `deferred`'s order, sorted) and they are walked from them on the current stream,
-    beside the other walks. exchange_beside: entering and the deferred walks on a stream of their own
-    that waits for the senders' walks and the deferred segments' chunk stage only, not for the whole
-    chunk stage (which the walks beside it may slow): the exchange goes as soon as both ranks' senders
-    are done."""
+    `deferred` segments are left out of the groups; once the whole chunk stage is queued (launch
+    order), entering(prepared, final_state) runs after the senders' walks and gives the deferred
+    segments' entering states (in `deferred`'s order, sorted), and they are walked from them beside
+    the other walks: on the current stream after the whole chunk stage, or (exchange_beside) on a
+    stream of their own that waits for what came before this forward, the senders' walks and the
+    deferred segments' chunk stage only - not for the rest of the chunk stage, which the walks beside
+    it may slow: the exchange goes as soon as the ranks' senders are done (session 11, CP2 Q3 zigzag:
+    rank 1's exchange waited 3.2 ms for its chunk stage after its sender's walk was done)."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
@@ -364,7 +365,9 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
             if any(a <= s < b for s in first):
                 for side in streams[i]:
                     on.wait_stream(side)
-        if exchange_beside:  # the deferred segments' chunk stage (their summaries and walks read it)
+        if exchange_beside:
+            on.wait_event(before)  # what came before (an earlier collective: one order on every rank)
+            # the deferred segments' chunk stage (their summaries and walks read it)
             last = [i for i, (a, b) in enumerate(groups) if any(a <= s < b for s in deferred)]
             if last:
                 queued = list(stage_done)  # in launch order: the last one queued covers the others
@@ -385,6 +388,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
             if on is not main:
                 main.wait_stream(on)
     stage_done = {} if exchange_beside else None
+    before = torch.cuda.current_stream(q.device).record_event() if exchange_beside else None
     _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces,
                walk_deferred if entering is not None else None, first, lead=cp, stage_done=stage_done)
     saved = dict(prepared, initial_state=initial_state, **full)

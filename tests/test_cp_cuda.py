@@ -113,29 +113,41 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
                                                    ([65, 1, 300, 700, 2300], [0, 3], [1, 2]),
                                                    ([65, 1, 300, 700, 2300], [], []),
                                                    ([6000, 900], [], [1]),  # the pieced group's piece 0 first
-                                                   ([900, 6000, 900], [0], [2])],  # a middle group pieced
-                         ids=["sender-last", "two-senders", "none", "lead-piece", "pieced-middle"])
-def test_pipelined_forward_is_bitwise_prepare_then_forward(lens, deferred, senders):
+                                                   ([900, 6000, 900], [0], [2]),  # a middle group pieced
+                                                   ([6000, 900, 300, 8000], [1, 3], [0]),  # a sent chain pieced
+                                                   ([6000], [], [0])],  # a rank's only chain, sent, pieced
+                         ids=["sender-last", "two-senders", "none", "lead-piece", "pieced-middle", "pieced-sender",
+                              "lone-sender"])
+@pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "main-stream"])
+def test_pipelined_forward_is_bitwise_prepare_then_forward(monkeypatch, lens, deferred, senders, beside):
     """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE, the default: the walks of the segments whose
     entering state is known beside the chunk stage, the senders' first, the deferred ones from what
     entering(prepared, final_state) returns once it is queued) against prepare() then forward() with
-    the same states: every output bitwise; entering called once, the senders' final states ready."""
+    the same states: every output bitwise; entering called once, the senders' final states ready, and
+    summaries of the deferred segments made in it (on the exchange stream when beside: the default)
+    bitwise those of the plain prepare() (a missing wait for their chunk stage would show)."""
+    from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB
+    monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
     H = 2
     q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred), len(lens))), True)
     later = torch.randn_like(known)
     cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
     states = known.clone()
     states[deferred] = later[deferred]
-    o_a, fin_a, ctx_a = cuda.forward(q, k, v, g, beta, cu_local, states, scale, keep=True,
-                                     prepared=cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True))
-    calls = []
+    plain = cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True)
+    want = cuda.summaries_of(plain, [(s, True) for s in deferred], deferred) if deferred else []
+    o_a, fin_a, ctx_a = cuda.forward(q, k, v, g, beta, cu_local, states, scale, keep=True, prepared=plain)
+    calls, got = [], []
 
     def entering(prepared, finals):
         calls.append(finals[senders].clone())  # queued on the stream the exchange would use
+        got.extend(cuda.summaries_of(prepared, [(s, True) for s in deferred], deferred) if deferred else [])
         return later[deferred]
     o_b, fin_b, ctx_b = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, True, known, deferred, entering,
                                                senders)
     assert len(calls) == 1 and torch.equal(calls[0], fin_a[senders])
+    for (m_a, b_a), (m_b, b_b) in zip(want, got, strict=True):
+        assert torch.equal(m_a, m_b) and torch.equal(b_a, b_b)
     assert torch.equal(o_a, o_b) and torch.equal(fin_a, fin_b)
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name

@@ -206,9 +206,9 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
                                                    ([40] * 30 + [900, 5], [], [31]),
                                                    ([40] * 30 + [900, 5], [30], [0, 31]), ([700], [], [0]),
                                                    ([2000, 300], [], [1]), ([300, 2000, 300], [0], [2]),
-                                                   ([2000, 300, 500, 40], [1], [0, 3])],
+                                                   ([2000, 300, 500, 40], [1], [0, 3]), ([2000], [], [0])],
                          ids=["2-first", "6-three", "32-none", "32-long", "1-sender", "lead-piece", "pieced-middle",
-                              "pieced-sender"])
+                              "pieced-sender", "lone-sender-pieced"])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("beside,piece_senders", [("1", "1"), ("0", "0")], ids=["beside", "main-stream"])
 def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep, beside,
@@ -219,7 +219,8 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
     deferred: the exchange is collective) with the senders' final states already there, the deferred
     segments' walks from what it returns; against prepare() then forward() with the same entering
     states. beside: the exchange and the deferred walks on a stream of their own (the default), the
-    sent chains pieced when they are the longest (1-sender, pieced-sender); main-stream: neither."""
+    sent chains pieced when they are the longest (pieced-sender, lone-sender-pieced: 32 chunks; 1-sender's
+    11 are too few to cut); main-stream: neither (the order before session 11)."""
     from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
     monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
     monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, piece_senders)
@@ -234,7 +235,7 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
 
     def entering(prepared, finals):
         calls.append(finals[senders].clone())  # what the exchange would send
-        assert not torch.isnan(prepared["w"]).any()  # the whole chunk stage is there for the summaries
+        assert not torch.isnan(prepared["w"]).any()  # every chunk stage is queued (here: run, in launch order)
         return later[deferred]
     poisoned_known = known.clone()
     poisoned_known[deferred] = float("nan")  # the deferred rows must not be read
@@ -250,8 +251,8 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
 
 @pytest.mark.parametrize("lens,remote", [([300, 129], [0]), ([1, 63, 64, 65, 130, 2], [0, 2, 3]),
                                          ([40] * 30 + [900, 5], [30, 31]), ([40] * 30 + [900, 5], []),
-                                         ([300, 2200, 40, 1500], [0]), ([2200, 300], [0])],
-                         ids=["2", "6", "32-long", "32-none", "pieced", "pieced-remote"])
+                                         ([300, 2200, 40, 1500], [0]), ([2200, 300], [0]), ([2200], []), ([2200], [0])],
+                         ids=["2", "6", "32-long", "32-none", "pieced", "pieced-remote", "lone-pieced", "lone-remote"])
 @pytest.mark.parametrize("beside", [False, True], ids=["walk-first", "beside-bwd-chunk"])
 @pytest.mark.parametrize("skip", [False, True], ids=["walked", "skip-bwd"])
 def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypatch, lens, remote, beside, skip):

@@ -1,0 +1,144 @@
+"""The CP forward's stream ordering, checked on the CPU: the kernels are the CPU stand-ins of
+test_pipeline_emulated (they run in launch order), and every stream and event carries a vector clock
+(which launch of which stream it has waited for), so each launch can be checked against what it
+reads: a walk after the chunk stage of its tokens and after the walk that wrote the state it starts
+from (the pieces' handoffs), the exchange (entering) after the senders' walks and the deferred
+segments' chunk stage, the current stream after everything once the forward returns. The GPU tests
+check the bits; these check the order the GPU may run things in, which a lucky schedule hides."""
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+import test_pipeline_emulated as emu
+from kda_aot import fit, kda
+
+
+class _Clocked:
+    """A stream: launches are numbered; waiting on another stream or an event takes its clock."""
+    ids = itertools.count(1)
+
+    def __init__(self):
+        self.id, self.launched, self.clock = next(_Clocked.ids), 0, {}
+        self.cuda_stream = self
+
+    def now(self) -> dict:
+        return {**self.clock, self.id: self.launched}
+
+    def wait_stream(self, other):
+        self.wait_event(other.now())
+
+    def record_event(self):
+        return self.now()
+
+    def wait_event(self, event):
+        for sid, n in event.items():
+            self.clock[sid] = max(self.clock.get(sid, 0), n)
+
+
+def _after(stream, op, what):
+    """op = (stream id, launch number) must happen before what `stream` launches next."""
+    assert op is not None, f"{what}: nothing wrote it"
+    sid, n = op
+    assert sid == stream.id or stream.clock.get(sid, 0) >= n, what
+
+
+class _World:
+    def __init__(self):
+        self.current = [_Clocked()]
+        self.token_writer, self.state_writer = {}, {}  # token -> chunk stage launch; state row ptr -> walk
+
+    def launch(self, program, desc, stream):
+        stream.launched += 1
+        me = (stream.id, stream.launched)
+        rows = emu._rows(desc)
+        if program == "kda_fwd_chunk":
+            for t0, t1 in rows:
+                for t in range(t0, t1):
+                    self.token_writer[t] = me
+        elif program == "kda_fwd_tape":
+            for a, b in emu._segments(desc):
+                for c in range(a, b):
+                    for t in (rows[c][0], rows[c][1] - 1):
+                        _after(stream, self.token_writer.get(t), f"a walk reads token {t} before its chunk stage")
+            h0 = desc.get("initial_state")
+            for s in range(0 if h0 is None else h0.shape[0]):
+                if h0[s].data_ptr() in self.state_writer:
+                    _after(stream, self.state_writer[h0[s].data_ptr()], "a walk starts from a state not yet written")
+            fs = desc.get("final_state")
+            for s in range(0 if fs is None else fs.shape[0]):
+                self.state_writer[fs[s].data_ptr()] = me
+        emu._PROGRAMS[program]({name: x for name, x in desc.items()})
+
+
+@pytest.fixture
+def world(monkeypatch):
+    w, pools = _World(), {}
+
+    class Library:
+        def __init__(self, program):
+            self.program = program
+
+        def launch(self, desc, scale, stream):
+            w.launch(self.program, desc, stream)
+
+    def side_streams(device, n, pool):
+        have = pools.setdefault(pool, [])
+        while len(have) < n:
+            have.append(_Clocked())
+        return have[:n]
+
+    @contextlib.contextmanager
+    def on(stream):
+        w.current.append(stream)
+        try:
+            yield
+        finally:
+            w.current.pop()
+    monkeypatch.setattr(kda, "describe", lambda x, name: x)
+    monkeypatch.setattr(kda, "stream_of", lambda x: w.current[-1])
+    monkeypatch.setattr(kda.registry, "library", lambda program, form="default": Library(program))
+    monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kda, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(kda, "_side_streams", side_streams)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: w.current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    fit.pipelined_walk_sms.cache_clear()
+    return w
+
+
+CASES = [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]), ([40] * 30 + [900, 5], [30], [0, 31]),
+         ([2000], [], [0]), ([2000, 300], [], [1]), ([300, 2000, 300], [0], [2]), ([2000, 300, 500, 40], [1], [0, 3]),
+         ([500, 2000, 300, 700, 1280], [0, 3], [4]), ([192] * 6 + [2000], [2, 5], [0]), ([2000, 320, 2560], [0], [1]),
+         ([700, 300], [], [])]
+IDS = ["2", "6", "32-long", "lone-sender", "lead-piece", "pieced-middle", "pieced-sender", "deferred-late",
+       "deferred-groups", "deferred-first", "nothing-sent"]
+
+
+@pytest.mark.parametrize("lens,deferred,senders", CASES, ids=IDS)
+@pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "main-stream"])
+def test_cp_forward_waits_for_what_it_reads(world, monkeypatch, lens, deferred, senders, beside):
+    from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
+    monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
+    main = world.current[0]
+    main.launched = 1
+    earlier = (main.id, 1)  # an earlier launch on the current stream (e.g. a collective)
+    q, k, v, g, beta, cu, known, _, later = emu._inputs(lens, 2, 7)
+    bounds = cu.tolist()
+    calls = []
+
+    def entering(prepared, finals):
+        here = world.current[-1]
+        calls.append(here)
+        _after(here, earlier, "the exchange may run before what came before the forward")
+        for s in senders:
+            _after(here, world.state_writer.get(finals[s].data_ptr()), f"the exchange reads sender {s} early")
+        for s in deferred:
+            for t in range(bounds[s], bounds[s + 1]):
+                _after(here, world.token_writer.get(t), f"a summary reads deferred segment {s}'s token {t} early")
+        return later[deferred]
+    CudaBackend().forward_pipelined(q, k, v, g, beta, bounds, 0.1, True, known.clone(), deferred, entering, senders)
+    assert len(calls) == 1 and (calls[0] is main) == (beside == "0")
+    for op in set(world.token_writer.values()) | set(world.state_writer.values()):
+        _after(main, op, "the forward returns before a launch it made is joined")
