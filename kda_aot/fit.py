@@ -287,7 +287,7 @@ def walk_step_us(program: str) -> float | None:
 
 @functools.lru_cache(maxsize=1024)
 def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int,
-                       walks_beside: int = 1, first: tuple = ()) -> int:
+                       walks_beside: int = 1, first: tuple = (), pieced: bool = False) -> int:
     """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
@@ -301,12 +301,15 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     every SM - unless the forward cuts it in pieces (last_group_pieces) and every earlier walk is
     restricted: then its pieces' walks run beside those walks and the later pieces' chunk stage, and
     get one SM per chain too (session 8, forward: Q1 13.98 -> 13.86 ms, Q5 14.70 -> 14.30; Q6, whose
-    first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM)."""
+    first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM). pieced: the group is the
+    one pieced_group cuts (context parallelism), treated as such a last group - a CP rank's only chain
+    (session 11) included, whose pieces' walks would otherwise take every SM from the chunk stage of the
+    pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two)."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
     if group == len(groups) - 1:
-        if walks_beside == 1 and last_group_pieces(chain_lengths, first) is not None and all(
+        if walks_beside == 1 and (pieced or last_group_pieces(chain_lengths, first) is not None) and all(
                 pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first) < sms for g in range(group)):
             return restricted
         return sms

@@ -337,7 +337,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
 
     def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
-        sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i, 1, first)
+        sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i, 1, first, piece is not None)
         # the group's segments but the deferred ones, in runs of consecutive segments
         runs = segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)) if deferred else [(a, b)]
         for ra, rb in runs:

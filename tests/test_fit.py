@@ -187,6 +187,10 @@ def test_pipelined_walk_sms():
     q6 = (3125, 779)
     assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
     assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 132  # in pieces, beside that walk
+    # CP: a rank's only chain, sent and cut in pieces (pieced_group): one SM per chain, as a last group in
+    # pieces (CP2 Q2 contiguous rank 0: 1,769 chunks); whole, it would get every SM
+    assert fit.pipelined_walk_sms("kda_fwd_tape", (1769,), 32, 132, 0, 1, (0,), True) == 32
+    assert fit.pipelined_walk_sms("kda_fwd_tape", (1769,), 32, 132, 0, 1, (0,)) == 132
     fit._decide.cache_clear()
     assert fit.plan_walk("kda_fwd_tape", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs
