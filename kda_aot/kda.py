@@ -300,7 +300,8 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
 
 
 def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
-                   tape_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False):
+                   tape_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False,
+                   summarised=None):
     """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
     the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
     plain order: bitwise the same. The outputs are allocated before, on the current stream.
@@ -311,9 +312,11 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     segments' entering states (in `deferred`'s order, sorted), and they are walked from them beside
     the other walks: on the current stream after the whole chunk stage, or (exchange_beside) on a
     stream of their own that waits for what came before this forward, the senders' walks and the
-    deferred segments' chunk stage only - not for the rest of the chunk stage, which the walks beside
-    it may slow: the exchange goes as soon as the ranks' senders are done (session 11, CP2 Q3 zigzag:
-    rank 1's exchange waited 3.2 ms for its chunk stage after its sender's walk was done)."""
+    chunk stage of the `summarised` segments (the deferred ones whose summaries entering computes;
+    default: all) only, the deferred walks then for their own chunk stage - not for the rest of the
+    chunk stage, which the walks beside it may slow: the exchange goes as soon as the ranks' senders
+    are done (session 11, CP2 Q3 zigzag: rank 1's exchange waited 3.2 ms for its chunk stage after its
+    sender's walk was done)."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
@@ -322,6 +325,9 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     sms = _sm_count(q.device)
     lengths = prepared["chain_lengths"]
     deferred, first = sorted(deferred), tuple(sorted(senders))
+    summarised = deferred if summarised is None else sorted(summarised)
+    if not set(summarised) <= set(deferred):
+        raise ValueError(f"summarised segments {summarised} must be deferred ones ({deferred})")
     # One group's segment in pieces (fit.pieced_group; one GPU: the last group, whose walk would
     # otherwise start only once its whole chunk stage is done and then run alone at the end; CP: the
     # rank's longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored
@@ -365,16 +371,19 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
             if any(a <= s < b for s in first):
                 for side in streams[i]:
                     on.wait_stream(side)
-        if exchange_beside:
-            on.wait_event(before)  # what came before (an earlier collective: one order on every rank)
-            # the deferred segments' chunk stage (their summaries and walks read it)
-            last = [i for i, (a, b) in enumerate(groups) if any(a <= s < b for s in deferred)]
+        def chunk_stage_of(segments):  # on `on`: the chunk stage of these segments is done
+            last = [i for i, (a, b) in enumerate(groups) if any(a <= s < b for s in segments)]
             if last:
                 queued = list(stage_done)  # in launch order: the last one queued covers the others
                 on.wait_event(stage_done[max(last, key=queued.index)])
+        if exchange_beside:
+            on.wait_event(before)  # what came before (an earlier collective: one order on every rank)
+            chunk_stage_of(summarised)  # what the summaries read
         try:
             with torch.cuda.stream(on):
                 states = entering(prepared, full["final_state"])  # CP summaries and exchange
+                if exchange_beside:
+                    chunk_stage_of(deferred)  # what their walks read
                 part = {name: x for name, x in full.items() if x is not None}
                 start = 0
                 for ra, rb in segment_runs(set(deferred), len(lengths)):
@@ -403,7 +412,7 @@ def segment_runs(segments, n: int) -> list:
 
 
 def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape,
-                           senders=(), exchange_beside=False):
+                           senders=(), exchange_beside=False, summarised=None):
     """The pipelined forward (output and final states) for context parallelism: the chunk stage a
     segment group at a time, the walks of the segments whose entering state is known here
     (initial_state's rows; the `deferred` rows are not read) beside it, the `senders` segments first;
@@ -411,13 +420,15 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     the summaries that read the chunk stage, the senders' final states, the exchange - returns the
     deferred segments' entering states [len(deferred), H, 128, 128] fp32 (sorted order), and their
     walks run beside the others. entering is called on every call (the exchange is collective).
-    exchange_beside: see _fwd_pipelined (the tensors entering returns are then made on that stream).
+    exchange_beside, summarised: see _fwd_pipelined (the tensors entering makes are then made on that
+    stream; summarised: the deferred segments entering reads the chunk stage of, default all).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, tape_form=None, want_output=True, deferred=deferred,
-                                     entering=entering, senders=senders, exchange_beside=exchange_beside)
+                                     entering=entering, senders=senders, exchange_beside=exchange_beside,
+                                     summarised=summarised)
     saved["initial_state"] = None  # its deferred rows were placeholders (the backward reads the tape)
     return o, final, saved
 

@@ -2,8 +2,8 @@
 test_pipeline_emulated (they run in launch order), and every stream and event carries a vector clock
 (which launch of which stream it has waited for), so each launch can be checked against what it
 reads: a walk after the chunk stage of its tokens and after the walk that wrote the state it starts
-from (the pieces' handoffs), the exchange (entering) after the senders' walks and the deferred
-segments' chunk stage, the current stream after everything once the forward returns. The GPU tests
+from (the pieces' handoffs), the exchange (entering) after the senders' walks and the chunk stage of
+the deferred segments it summarises, the current stream after everything once the forward returns. The GPU tests
 check the bits; these check the order the GPU may run things in, which a lucky schedule hides."""
 import contextlib
 import itertools
@@ -108,17 +108,20 @@ def world(monkeypatch):
     return w
 
 
-CASES = [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]), ([40] * 30 + [900, 5], [30], [0, 31]),
-         ([2000], [], [0]), ([2000, 300], [], [1]), ([300, 2000, 300], [0], [2]), ([2000, 300, 500, 40], [1], [0, 3]),
-         ([500, 2000, 300, 700, 1280], [0, 3], [4]), ([192] * 6 + [2000], [2, 5], [0]), ([2000, 320, 2560], [0], [1]),
-         ([700, 300], [], [])]
+# (lengths, deferred, senders, summarised: the deferred segments whose chunk stage entering reads)
+CASES = [([300, 129], [0], [1], [0]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5], [0, 3, 4]),
+         ([40] * 30 + [900, 5], [30], [0, 31], [30]), ([2000], [], [0], []), ([2000, 300], [], [1], []),
+         ([300, 2000, 300], [0], [2], [0]), ([2000, 300, 500, 40], [1], [0, 3], [1]),
+         ([500, 2000, 300, 700, 1280], [0, 3], [4], [0, 3]), ([192] * 6 + [2000], [2, 5], [0], [2, 5]),
+         ([2000, 320, 2560], [0], [1], [0]), ([700, 300], [], [], []),
+         ([25, 800, 6400, 1200], [0], [3], []), ([300, 2000, 300, 700], [0, 3], [2], [3])]
 IDS = ["2", "6", "32-long", "lone-sender", "lead-piece", "pieced-middle", "pieced-sender", "deferred-late",
-       "deferred-groups", "deferred-first", "nothing-sent"]
+       "deferred-groups", "deferred-first", "nothing-sent", "unsummarised-last", "summarised-some"]
 
 
-@pytest.mark.parametrize("lens,deferred,senders", CASES, ids=IDS)
+@pytest.mark.parametrize("lens,deferred,senders,summarised", CASES, ids=IDS)
 @pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "main-stream"])
-def test_cp_forward_waits_for_what_it_reads(world, monkeypatch, lens, deferred, senders, beside):
+def test_cp_forward_waits_for_what_it_reads(world, monkeypatch, lens, deferred, senders, summarised, beside):
     from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
     monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
     main = world.current[0]
@@ -134,11 +137,12 @@ def test_cp_forward_waits_for_what_it_reads(world, monkeypatch, lens, deferred, 
         _after(here, earlier, "the exchange may run before what came before the forward")
         for s in senders:
             _after(here, world.state_writer.get(finals[s].data_ptr()), f"the exchange reads sender {s} early")
-        for s in deferred:
+        for s in summarised:
             for t in range(bounds[s], bounds[s + 1]):
                 _after(here, world.token_writer.get(t), f"a summary reads deferred segment {s}'s token {t} early")
         return later[deferred]
-    CudaBackend().forward_pipelined(q, k, v, g, beta, bounds, 0.1, True, known.clone(), deferred, entering, senders)
+    CudaBackend().forward_pipelined(q, k, v, g, beta, bounds, 0.1, True, known.clone(), deferred, entering, senders,
+                                    summarised)
     assert len(calls) == 1 and (calls[0] is main) == (beside == "0")
     for op in set(world.token_writer.values()) | set(world.state_writer.values()):
         _after(main, op, "the forward returns before a launch it made is joined")

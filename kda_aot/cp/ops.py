@@ -222,7 +222,8 @@ class _ChunkKdaCP(torch.autograd.Function):
                 o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
                                             torch.stack([known_state(f) for f in local]),
                                             [f.segment for f in local if f.needs_state], entering,
-                                            [f.segment for f in local if not f.needs_state and not f.is_last])
+                                            [f.segment for f in local if not f.needs_state and not f.is_last],
+                                            [f.segment for f in local if f.needs_state and not f.is_last])
             S_in, M_local = got["S_in"], got["M_local"]
             if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
                 main = torch.cuda.current_stream(q.device)

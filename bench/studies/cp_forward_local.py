@@ -1,0 +1,78 @@
+"""One CP rank's pipelined forward on one GPU, without the other rank: when its exchange could go
+(the senders' exit states and the summaries' inputs ready) and when its forward ends, for the
+knobs KDA_AOT_CP_EXCHANGE_BESIDE and KDA_AOT_CP_PIECE_SENDERS (session 11), arms interleaved.
+
+  python bench/studies/cp_forward_local.py [Q2:contiguous:0,Q3:zigzag:1,..] [iters]
+
+A rank's local segments come from cp.make_plan (W = 2); inputs are random, H = 32; entering() is a
+stand-in for the exchange (an event where the all_gather would be queued, random entering states for
+the deferred segments). Prints, per rank layout and arm, the medians of `ready` (ms from the start to
+that event) and `end` (ms to the forward's end). With two ranks the exchange goes at the later rank's
+`ready`, and each rank's deferred walks follow it: this is the one-GPU part of that.
+"""
+import os
+import statistics
+import sys
+
+import torch
+
+from kda_aot import cp
+from kda_aot.bench.packs import HEAD_DIM, PACKS
+from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
+from kda_aot.fit import CP_PIECE_SENDERS_KNOB
+
+ARMS = {"old": ("0", "0"), "beside": ("1", "0"), "pieced": ("0", "1"), "both": ("1", "1")}
+
+
+def rank_inputs(pack, layout, rank, H, gen):
+    lens = PACKS[pack]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    plan = cp.make_plan(cu, layout, world_size=2, rank=rank)
+    T = plan.num_local_tokens
+    q, k, v = (torch.randn(1, T, H, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    q, k = (x / x.float().norm(dim=-1, keepdim=True).to(x.dtype) for x in (q, k))
+    g = -5 * torch.rand(1, T, H, HEAD_DIM, device="cuda", generator=gen)
+    beta = torch.rand(1, T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    local = plan.local_fragments
+    deferred = [f.segment for f in local if f.needs_state]
+    senders = [f.segment for f in local if not f.needs_state and not f.is_last]
+    summarised = [f.segment for f in local if f.needs_state and not f.is_last]  # as kda_aot.cp.ops
+    known = torch.zeros(len(local), H, HEAD_DIM, HEAD_DIM, device="cuda")
+    return (q, k, v, g, beta), list(plan.local_cu_seqlens), known, deferred, senders, summarised
+
+
+def main():
+    which = sys.argv[1] if len(sys.argv) > 1 else "Q1:contiguous:0,Q1:contiguous:1,Q2:contiguous:0,Q3:zigzag:0,Q3:zigzag:1,Q6:contiguous:0"
+    iters = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+    H, backend = 32, CudaBackend()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for spec in which.split(","):
+        pack, layout, rank = spec.split(":")
+        xs, bounds, known, deferred, senders, summarised = rank_inputs(pack, layout, int(rank), H, gen)
+        later = torch.randn(len(deferred), H, HEAD_DIM, HEAD_DIM, device="cuda", generator=gen) * 0.1
+        times = {arm: ([], []) for arm in ARMS}
+        for i in range(iters + 2):
+            for arm, (beside, pieced) in (ARMS.items() if i % 2 == 0 else reversed(list(ARMS.items()))):
+                os.environ[EXCHANGE_BESIDE_KNOB], os.environ[CP_PIECE_SENDERS_KNOB] = beside, pieced
+                start, end, ready = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+
+                def entering(prepared, finals):
+                    ready.record()  # on the stream the exchange would use, where it would be queued
+                    return later
+                torch.cuda.synchronize()
+                start.record()
+                backend.forward_pipelined(*xs, bounds, HEAD_DIM ** -0.5, False, known, deferred, entering, senders,
+                                          summarised)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= 2:
+                    times[arm][0].append(start.elapsed_time(ready))
+                    times[arm][1].append(start.elapsed_time(end))
+        print(f"{pack} {layout} rank {rank}: segments {[b - a for a, b in zip(bounds, bounds[1:])]} "
+              f"senders {senders} deferred {deferred}")
+        for arm, (r, e) in times.items():
+            print(f"  {arm:7s} ready {statistics.median(r):6.2f}  end {statistics.median(e):6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
