@@ -228,14 +228,14 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     launches ahead of everything (kda._pipelined). A sent chain (first) too, also when it is the rank's
     only one (session 11: CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
     whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange; the CP
-    replay, which sends nothing, then pieces a rank's only chain too); neither with
-    CP_PIECE_SENDERS_KNOB=0 (A/B)."""
+    replay, which sends nothing, then pieces a rank's only chain too) - with CP_PIECE_SENDERS_KNOB=1,
+    off until measured on two GPUs."""
     lengths = [int(n) for n in chain_lengths]
     groups = plan_pipeline(lengths, first)
     if not cp:
         bounds = last_group_pieces(lengths, first)
         return None if bounds is None else (len(groups) - 1, bounds)
-    senders_too = os.environ.get(CP_PIECE_SENDERS_KNOB, "1") == "1"
+    senders_too = os.environ.get(CP_PIECE_SENDERS_KNOB, "0") == "1"
     candidates = [i for i, (a, b) in enumerate(groups) if b - a == 1 and (senders_too or a not in first)
                   and a not in deferred and lengths[a] >= 2 * MIN_PIECE_CHUNKS]
     if (len(groups) < 2 and not senders_too) or not candidates:

@@ -124,10 +124,13 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(monkeypatch, lens, de
     entering state is known beside the chunk stage, the senders' first, the deferred ones from what
     entering(prepared, final_state) returns once it is queued) against prepare() then forward() with
     the same states: every output bitwise; entering called once, the senders' final states ready, and
-    summaries of the deferred segments made in it (on the exchange stream when beside: the default)
-    bitwise those of the plain prepare() (a missing wait for their chunk stage would show)."""
+    summaries of the deferred segments made in it bitwise those of the plain prepare(). beside: the
+    exchange stream (KDA_AOT_CP_EXCHANGE_BESIDE=1; a missing wait for a chunk stage would show) and the
+    sent chains in pieces too (KDA_AOT_CP_PIECE_SENDERS=1)."""
+    from kda_aot import fit
     from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB
     monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
+    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, beside)  # with it, the sent chains in pieces
     H = 2
     q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred), len(lens))), True)
     later = torch.randn_like(known)

@@ -256,7 +256,8 @@ def test_rewalk_beside():
 
 def test_pieced_group(monkeypatch):
     """One GPU: the last group when it is one segment; CP: the longest chain not deferred, a sent one too
-    (also alone: no other group), unless CP_PIECE_SENDERS_KNOB is "0"."""
+    (also alone: no other group) with CP_PIECE_SENDERS_KNOB=1 (off by default until measured)."""
+    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, "1")
     assert fit.pieced_group((1585, 641, 1216, 465)) == (3, fit.last_group_pieces((1585, 641, 1216, 465)))
     assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [198 * p for p in range(9)])  # CP2 Q1 rank 0
     assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272 + 152 * p for p in range(9)])  # rank 1

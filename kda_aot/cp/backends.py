@@ -52,8 +52,8 @@ from .._tensor import host_table_to
 
 # The CP replay walks the rank's longest chain in pieces unless this knob is "0" (bench cp --ab).
 REPLAY_PIECES_KNOB = "KDA_AOT_CP_REPLAY_PIECES"
-# The CP forward's exchange and deferred walks on a stream of their own unless this knob is "0"
-# (kda.chunk_kda_fwd_deferred(exchange_beside=)).
+# The CP forward's exchange and deferred walks on a stream of their own when this knob is "1"
+# (kda.chunk_kda_fwd_deferred(exchange_beside=)); off until measured on two GPUs (bench/NOTES.md, session 11).
 EXCHANGE_BESIDE_KNOB = "KDA_AOT_CP_EXCHANGE_BESIDE"
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
@@ -200,7 +200,7 @@ class CudaBackend:
         one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
         entering(prepared, final_state) then runs the summaries and the exchange (the senders' exit
         states are their final_state rows) and returns the deferred segments' entering states, whose
-        walks run beside the others; entering runs on a stream of its own (EXCHANGE_BESIDE_KNOB): what it
+        walks run beside the others; entering runs on a stream of its own (EXCHANGE_BESIDE_KNOB=1): what it
         makes that the caller keeps must be record_stream'd onto the current stream, and what it reads of
         `prepared` must be the `summarised` segments' (default: every deferred one). Each segment's walk
         is the one forward() runs: the same bits."""
@@ -209,7 +209,7 @@ class CudaBackend:
         o, finals, saved = chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
             deferred=deferred, entering=lambda prepared, finals: entering(prepared, finals).to(torch.float32).contiguous(),
-            save_tape=keep, senders=senders, exchange_beside=os.environ.get(EXCHANGE_BESIDE_KNOB, "1") == "1",
+            save_tape=keep, senders=senders, exchange_beside=os.environ.get(EXCHANGE_BESIDE_KNOB, "0") == "1",
             summarised=summarised)
         return o, finals, (saved if keep else None)
 
