@@ -2,7 +2,7 @@
 (the senders' exit states and the summaries' inputs ready) and when its forward ends, for the
 knobs KDA_AOT_CP_EXCHANGE_BESIDE and KDA_AOT_CP_PIECE_SENDERS (session 11), arms interleaved.
 
-  python bench/studies/cp_forward_local.py [Q2:contiguous:0,Q3:zigzag:1,..] [iters]
+  python bench/studies/cp_forward_local.py [Q2:contiguous:0,Q3:zigzag:1,..] [iters] [--replay]
 
 A rank's local segments come from cp.make_plan (W = 2); inputs are random, H = 32; entering() is a
 stand-in for the exchange (an event where the all_gather would be queued, random entering states for
@@ -41,11 +41,38 @@ def rank_inputs(pack, layout, rank, H, gen):
     return (q, k, v, g, beta), list(plan.local_cu_seqlens), known, deferred, senders, summarised
 
 
+def replay(which, iters, H, backend, gen):
+    """--replay: the rank's CP replay (replay_pipelined: chunk stage and both walks), PIECE_SENDERS off / on
+    (on: a rank's only chain in pieces too)."""
+    for spec in which.split(","):
+        pack, layout, rank = spec.split(":")
+        xs, bounds, known, deferred, senders, summarised = rank_inputs(pack, layout, int(rank), H, gen)
+        do = torch.randn_like(xs[2])
+        dfinals = torch.randn_like(known) * 0.01
+        times = {"0": [], "1": []}
+        for i in range(iters + 2):
+            for pieced in (("0", "1") if i % 2 == 0 else ("1", "0")):
+                os.environ[CP_PIECE_SENDERS_KNOB] = pieced
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                backend.replay_pipelined(*xs, bounds, HEAD_DIM ** -0.5, known, do, dfinals)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= 2:
+                    times[pieced].append(start.elapsed_time(end))
+        print(f"replay {pack} {layout} rank {rank}: segments {[b - a for a, b in zip(bounds, bounds[1:])]}: "
+              f"PIECE_SENDERS=0 {statistics.median(times['0']):.2f} ms, =1 {statistics.median(times['1']):.2f} ms")
+
+
 def main():
-    which = sys.argv[1] if len(sys.argv) > 1 else "Q1:contiguous:0,Q1:contiguous:1,Q2:contiguous:0,Q3:zigzag:0,Q3:zigzag:1,Q6:contiguous:0"
-    iters = int(sys.argv[2]) if len(sys.argv) > 2 else 10
+    args = [a for a in sys.argv[1:] if a != "--replay"]
+    which = args[0] if args else "Q1:contiguous:0,Q1:contiguous:1,Q2:contiguous:0,Q3:zigzag:0,Q3:zigzag:1,Q6:contiguous:0"
+    iters = int(args[1]) if len(args) > 1 else 10
     H, backend = 32, CudaBackend()
     gen = torch.Generator(device="cuda").manual_seed(11)
+    if "--replay" in sys.argv:
+        return replay(which, iters, H, backend, gen)
     for spec in which.split(","):
         pack, layout, rank = spec.split(":")
         xs, bounds, known, deferred, senders, summarised = rank_inputs(pack, layout, int(rank), H, gen)
