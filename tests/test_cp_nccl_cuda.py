@@ -30,6 +30,7 @@ REL = 1e-2
 PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100],
          "long": [9000, 300, 4200]}  # T % 4 == 0 (zigzag); "long": fragments of > 32 chunks (summary pieces)
 PER_FRAGMENT = {"KDA_AOT_CP_BATCHED_SUMMARIES": "0"}  # the default is batched
+EXCHANGE_BESIDE = {"KDA_AOT_CP_EXCHANGE_BESIDE": "1", "KDA_AOT_CP_PIECE_SENDERS": "1"}  # both off by default
 _JOB = {}
 
 
@@ -95,6 +96,10 @@ def results(name):
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                    "modes": ["saved", "replay"], "env": {"KDA_AOT_CP_PIPELINE": "0"}}
                   for lay in cp.LAYOUTS for pack in ("mixed", "long")]
+        # the forward's exchange on a stream of its own and the sent chains in pieces (off by default)
+        cases += [{"kind": "op", "backend": "cuda", "name": f"exchange-beside/{lay}/{pack}", "layout": lay,
+                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
+                   "modes": ["saved", "replay"], "env": EXCHANGE_BESIDE} for lay in cp.LAYOUTS for pack in PACKS]
         for lay in cp.LAYOUTS:
             x, sd, _ = module_case("spans")
             cases.append({"kind": "module", "backend": "cuda", "name": f"module/{lay}/spans", "layout": lay,
@@ -104,6 +109,20 @@ def results(name):
             per_rank = cp_workers.run_job(W, cases, d, 600, device="cuda")
         _JOB.update({n: [r.get(n, {"error": "missing"}) for r in per_rank] for n in per_rank[0]})
     return G.check_results(_JOB.get(name), f"nccl cuda {name}")
+
+
+@pytest.mark.parametrize("layout,pack", [(lay, p) for lay in cp.LAYOUTS for p in PACKS])
+def test_exchange_beside_is_bitwise_the_default(layout, pack):
+    """KDA_AOT_CP_EXCHANGE_BESIDE=1 and KDA_AOT_CP_PIECE_SENDERS=1 (the forward's summaries, exchange and
+    deferred walks on a stream of their own; the sent chains and a rank's only one in pieces): only the
+    order changes, so every output and gradient is bitwise the default's, on every rank, in both modes."""
+    default, beside = results(f"{layout}/{pack}"), results(f"exchange-beside/{layout}/{pack}")
+    for r, (a, b) in enumerate(zip(default, beside)):
+        for mode in ("saved", "replay"):
+            for key, x in a[mode].items():
+                y = b[mode][key]
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), \
+                    f"rank {r} {mode} {key} ({layout} {pack}) differs with the exchange beside"
 
 
 def rel_rms(x, ref):
