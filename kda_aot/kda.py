@@ -252,9 +252,8 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     launch_group(i, first, end, streams, (piece, device bounds)) for that piece, in piece_order
     (default: first to last); lead (context parallelism): its first fit.lead_pieces pieces go ahead of
     every other group, the others right after the `first` ones; else they go where the group does.
-    before_join(groups, streams): called
-    once every launch is queued, before the side streams are joined (its launches on the current
-    stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
+    before_join(groups, streams): called once every launch is queued, before the side streams are
+    joined (its launches on the current stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
     segments that go first (the pieced group may be one of them). stage_done (a dict): {group: an
     event recorded on the current stream once that group's chunk stage is queued}. The side streams are
     joined back into the current stream, also when a launch raises: queued work may still read the
@@ -371,6 +370,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
             if any(a <= s < b for s in first):
                 for side in streams[i]:
                     on.wait_stream(side)
+
         def chunk_stage_of(segments):  # on `on`: the chunk stage of these segments is done
             last = [i for i, (a, b) in enumerate(groups) if any(a <= s < b for s in segments)]
             if last:

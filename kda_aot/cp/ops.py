@@ -176,6 +176,8 @@ class _ChunkKdaCP(torch.autograd.Function):
         local = plan.local_fragments
         keep = mode == "saved"
 
+        middle = [f for f in local if f.needs_state and not f.is_last]  # summarised whatever the order
+
         def known_state(f):  # the entering state of a fragment that starts its document here
             return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
                     else initial_state[f.doc].to(sd))
@@ -185,7 +187,7 @@ class _ChunkKdaCP(torch.autograd.Function):
             ones: from the summaries, or the local walks' final states `finals` when given), the
             exchange, and the local fragments' entering states composed from it."""
             items, M_local = {}, {}
-            summarised = [f for f in local if not f.is_last and (f.needs_state or finals is None)]
+            summarised = middle if finals is not None else [f for f in local if not f.is_last]
             with _Phase("fwd summary walks", q.device):
                 summaries = _summaries(backend, prepared, local, summarised, k, v, g, beta, need_b=True)
                 for f in local:
@@ -223,7 +225,7 @@ class _ChunkKdaCP(torch.autograd.Function):
                                             torch.stack([known_state(f) for f in local]),
                                             [f.segment for f in local if f.needs_state], entering,
                                             [f.segment for f in local if not f.needs_state and not f.is_last],
-                                            [f.segment for f in local if f.needs_state and not f.is_last])
+                                            [f.segment for f in middle])
             S_in, M_local = got["S_in"], got["M_local"]
             if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
                 main = torch.cuda.current_stream(q.device)
