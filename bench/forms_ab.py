@@ -61,7 +61,7 @@ def ab(what, pack, H):
 
 
 def replay_ab(q, k, v, g, beta, cu, pack, H):
-    from kda_aot.kda import chunk_kda
+    from kda_aot import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
 
@@ -80,7 +80,7 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     (Retired in session 6, bench/NOTES.md: the last group on the SMs the earlier walks leave it,
     "held", and the replay's backward stages pipelined too, "critical+bwd".)"""
     from kda_aot import fit
-    from kda_aot.kda import chunk_kda
+    from kda_aot import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
     shipped = dict(pipeline="1", critical=True)

@@ -7,7 +7,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kda_aot.bench.packs import PACKS
 from kda_aot.bench.single import inputs
-from kda_aot.kda import chunk_kda
+from kda_aot import chunk_kda
 
 pack = sys.argv[1] if len(sys.argv) > 1 else "Q1"
 H = int(sys.argv[2]) if len(sys.argv) > 2 else 32

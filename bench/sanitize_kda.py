@@ -56,7 +56,7 @@ for name, run in runs.items():
     except registry.RecordError as e:
         print(f"sanitize_kda: skipped {name} ({e})")
 # the replay backward through autograd: the forward and backward walks side by side on two streams
-from kda_aot.kda import chunk_kda  # noqa: E402
+from kda_aot import chunk_kda  # noqa: E402
 leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
 chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
 import os  # noqa: E402

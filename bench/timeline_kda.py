@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from kda_aot.bench.packs import PACKS
 from kda_aot.bench.single import inputs
-from kda_aot.kda import chunk_kda, chunk_kda_fwd
+from kda_aot import chunk_kda
+from kda_aot.kda import chunk_kda_fwd
 
 
 def short(name: str) -> str:

@@ -42,8 +42,9 @@ def stream_of(t: torch.Tensor) -> int:
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
-    """Validate document boundaries 0 = c_0 < c_1 < ... < c_N = total; returns them as a list.
+    """Validate document boundaries 0 = c_0 <= c_1 <= ... <= c_N = total; returns them as a list.
 
+    Zero-length documents (c_i = c_{i+1}) are legal: packs padded to a fixed document count have them.
     The values are read on the host (one small device-to-host copy for a CUDA tensor).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -58,8 +59,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     if values[-1] != total:
         raise ValueError(f"{name}: must end at T = {total}, ends at {values[-1]}")
     for i in range(1, len(values)):
-        if values[i] <= values[i - 1]:
-            raise ValueError(f"{name}: must be strictly increasing (empty or negative document at index "
+        if values[i] < values[i - 1]:
+            raise ValueError(f"{name}: must be non-decreasing (negative document length at index "
                              f"{i - 1}: {values[i - 1]} -> {values[i]})")
     return values
 

@@ -7,6 +7,8 @@ the 3 tokens before a fragment) or zero. Same weight layout as flash-linear-atte
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import registry
@@ -16,23 +18,32 @@ from .packing import pack_tables
 WIDTH = 4
 
 
-def _checked_boundaries(x, weight, bias, halo, cu_seqlens):
-    """Argument checks; returns the int32 device copy of cu_seqlens (kda_aot.packing)."""
-    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("halo", halo)):
-        if t is not None and not isinstance(t, torch.Tensor):
+def _check(x, weight, bias, halo, cu_seqlens):
+    """Argument checks that need only types, shapes and devices (the values of cu_seqlens and everything
+    else are checked by the op: pack_tables, then the bindings, before any kernel runs)."""
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("halo", halo), ("cu_seqlens", cu_seqlens)):
+        if (t is not None or name in ("x", "weight", "cu_seqlens")) and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x: expected shape [1, T, D], got {list(x.shape)}")
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device} but x is on {x.device}")
-    # validated on the host (CPU boundaries: no sync), device copy cached by value
-    return pack_tables(cu_seqlens, x.shape[1], x.device).cu
 
 
 def _f32(t):
     # Kernels take fp32 taps; a bf16/fp16 conv weight (a few KB) is widened per call.
     return None if t is None else t.detach().to(torch.float32).contiguous()
+
+
+def checked_boundaries(x, weight, bias, halo, cu_seqlens) -> torch.Tensor:
+    """The kernel calls' int32 device boundaries of a pack with no zero-length document (the halo has a
+    row per segment; causal_conv1d_silu maps documents to segments)."""
+    _check(x, weight, bias, halo, cu_seqlens)
+    tables = pack_tables(cu_seqlens, x.shape[1], x.device)
+    if tables.kept_index is not None:
+        raise ValueError("cu_seqlens: the conv kernel calls take no zero-length document (causal_conv1d_silu does)")
+    return tables.cu
 
 
 def conv1d_silu_forward(x, weight, bias, cu_seqlens, halo=None, *, out=None, form="default"):
@@ -69,25 +80,60 @@ def conv1d_silu_backward(x, weight, bias, cu_seqlens, dy, halo=None, *, need_dha
     return dx, dweight, dbias, dhalo
 
 
-class _Conv1dSilu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, halo, cu_seqlens, form):
-        w32, b32 = _f32(weight), _f32(bias)
-        y = conv1d_silu_forward(x, w32, b32, cu_seqlens, halo, form=form)
-        ctx.save_for_backward(x, w32, b32, halo, cu_seqlens)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.form = form
-        return y
+def _segments(x, halo, cu_seqlens):
+    """(the pack's tables, halo rows of its segments): the kernels see the non-empty documents only."""
+    tables = pack_tables(cu_seqlens, x.shape[1], x.device)
+    return tables, tables.segment_rows(None if halo is None else halo.contiguous())
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w32, b32, halo, cu_seqlens = ctx.saved_tensors
-        need_dhalo = halo is not None and ctx.needs_input_grad[3]
-        dx, dw, db, dh = conv1d_silu_backward(x, w32, b32, cu_seqlens, dy.contiguous(), halo, need_dhalo=need_dhalo,
-                                              form=ctx.form)
-        wdtype, bdtype = ctx.dtypes
-        return (dx, dw.to(wdtype), None if db is None else db.to(bdtype),
-                None if dh is None else dh.to(halo.dtype), None, None)
+
+@torch.library.custom_op("kda_aot::causal_conv1d_silu_fwd", mutates_args=())
+def conv1d_silu_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], halo: Optional[torch.Tensor],
+                       cu_seqlens: torch.Tensor, form: str) -> torch.Tensor:
+    tables, halo = _segments(x, halo, cu_seqlens)
+    return conv1d_silu_forward(x.contiguous(), _f32(weight), _f32(bias), tables.cu, halo, form=form)
+
+
+@conv1d_silu_fwd_op.register_fake
+def _(x, weight, bias, halo, cu_seqlens, form):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kda_aot::causal_conv1d_silu_bwd", mutates_args=())
+def conv1d_silu_bwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], halo: Optional[torch.Tensor],
+                       cu_seqlens: torch.Tensor, dy: torch.Tensor, form: str, need_dhalo: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias or [0], dhalo or [0]) in the dtypes of x, weight, bias and halo."""
+    tables, seg_halo = _segments(x, halo, cu_seqlens)
+    dx, dw, db, dh = conv1d_silu_backward(x.contiguous(), _f32(weight), _f32(bias), tables.cu,
+                                          dy.to(x.dtype).contiguous(), seg_halo,
+                                          need_dhalo=need_dhalo and halo is not None, form=form)
+    none = x.new_empty((0,))
+    return (dx, dw.to(weight.dtype), none if db is None else db.to(bias.dtype),
+            none if dh is None else tables.document_rows(dh).to(halo.dtype))
+
+
+@conv1d_silu_bwd_op.register_fake
+def _(x, weight, bias, halo, cu_seqlens, dy, form, need_dhalo):
+    none = x.new_empty((0,))
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            none if bias is None else bias.new_empty(bias.shape),
+            halo.new_empty(halo.shape) if need_dhalo and halo is not None else none)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, halo, cu_seqlens, form = inputs
+    ctx.save_for_backward(x, weight, bias, halo, cu_seqlens)
+    ctx.form = form
+
+
+def _backward(ctx, dy):
+    x, weight, bias, halo, cu_seqlens = ctx.saved_tensors
+    need_dhalo = halo is not None and ctx.needs_input_grad[3]
+    dx, dw, db, dh = conv1d_silu_bwd_op(x, weight, bias, halo, cu_seqlens, dy, ctx.form, need_dhalo)
+    return dx, dw, db if bias is not None else None, dh if need_dhalo else None, None, None
+
+
+conv1d_silu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 NORM_HEAD = 128  # the l2norm forms normalise 128-channel heads (one warp of 4-channel threads each)
@@ -113,5 +159,5 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (kda_aot.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
     """
     form = conv_form(x, l2norm)
-    cu = _checked_boundaries(x, weight, bias, halo, cu_seqlens)
-    return _Conv1dSilu.apply(x, weight, bias, halo, cu, form)
+    _check(x, weight, bias, halo, cu_seqlens)
+    return conv1d_silu_fwd_op(x, weight, bias, halo, cu_seqlens, form)

@@ -1,12 +1,12 @@
-"""Single-device chunked KDA on packed documents (DESIGN.md §2): the kernel calls and `chunk_kda`.
+"""Single-device chunked KDA on packed documents (DESIGN.md §2): the kernel calls and their order.
 
-Shapes follow flash-linear-attention's `chunk_kda`: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128]
-fp32 (log decay per channel), beta [1, T, H] bf16, cu_seqlens [N + 1], initial/final state
-[N, H, 128, 128] fp32. The forward runs two programs: kda_fwd_chunk (chunk-parallel W, U, Aqk,
-...) and kda_fwd_tape (the sequential state walk with the output stage fused; it also writes the
-fp32 state at every chunk start and V' when the saved-context backward needs them). The backward
-runs kda_bwd_tape (the state-gradient walk), kda_bwd_chunk (plain products) and kda_bwd_gate
-(gated products); `chunk_kda` is the autograd op over both, in saved or replay mode.
+Shapes: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 (log decay per channel), beta [1, T, H]
+bf16, cu_seqlens [N + 1] (or its kda_aot.packing.PackTables), initial/final state [N, H, 128, 128]
+fp32, one row per segment (a non-empty document). The forward runs two programs: kda_fwd_chunk
+(chunk-parallel W, U, Aqk, ...) and kda_fwd_tape (the sequential state walk with the output stage
+fused; it also writes the fp32 state at every chunk start and V' when the saved-context backward
+needs them). The backward runs kda_bwd_tape (the state-gradient walk), kda_bwd_chunk (plain
+products) and kda_bwd_gate (gated products). The public op over both is kda_aot.chunk (chunk_kda).
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import torch
 
 from . import fit, registry
 from ._tensor import describe, host_table_to, out_or, stream_of
-from .norm import l2norm
 from .packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
@@ -41,14 +40,20 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
             raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
     if tuple(beta.shape) != (1, T, H):
         raise ValueError(f"beta: expected shape [1, {T}, {H}], got {list(beta.shape)}")
-    tables = pack_tables(cu_seqlens, T, q.device)
+    tables = tables_of(cu_seqlens, T, q.device)
     N = tables.n_segments
     if initial_state is not None and tuple(initial_state.shape) != (N, H, HEAD_DIM, HEAD_DIM):
-        raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128], got {list(initial_state.shape)}")
+        rows = "" if N == tables.n_docs else f" (one row per non-empty document: kda_aot.chunk_kda maps documents)"
+        raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128]{rows}, got {list(initial_state.shape)}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     return tables
+
+
+def tables_of(cu_seqlens, T: int, device) -> PackTables:
+    """The pack's tables: cu_seqlens (a tensor, validated and cached by value) or its PackTables."""
+    return cu_seqlens if isinstance(cu_seqlens, PackTables) else pack_tables(cu_seqlens, T, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,8 +146,9 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
     return t
 
 
-def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape) -> dict:
-    """Checked inputs and the chunk stage's outputs, allocated (nothing launched)."""
+def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None) -> dict:
+    """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
+    preallocated gamma."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
     C = tables.chunks.shape[0]
@@ -153,7 +159,8 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
-        "aqk": torch.empty(1, T, H, CHUNK, **bf16), "gamma": torch.empty(C, H, HEAD_DIM, **f32),
+        "aqk": torch.empty(1, T, H, CHUNK, **bf16),
+        "gamma": out_or(out or {}, "gamma", lambda: torch.empty(C, H, HEAD_DIM, **f32)),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
@@ -211,15 +218,15 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
                   save_tape=False, out=None, tape_form=None, want_output=True, pipeline=None):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
-    `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew
-    (tests poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM
+    `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
+    gamma (tests poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM
     knob, else auto = the fit rule). want_output=False: the walk skips the output stage (the replay
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: KDA_AOT_PIPELINE
     (on unless =0)."""
     chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
-    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      tape_form=tape_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
@@ -797,10 +804,10 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 
-def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs)."""
     T, H = q.shape[1], q.shape[2]
-    tables = pack_tables(cu_seqlens, T, q.device)
+    tables = tables_of(cu_seqlens, T, q.device)
     groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
     if len(groups) == 1:
         return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
@@ -818,77 +825,6 @@ def _replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
         if grads[5] is not None:
             grads[5][:, a:b].copy_(got[5])
     return grads
-
-
-BACKWARD_MODES = ("replay", "saved")
-
-
-class _ChunkKDA(torch.autograd.Function):
-    """saved: the forward keeps the fp32 state tape and the chunk intermediates; replay: it keeps only
-    the inputs (and the initial state) and the backward reruns the forward kernels first. The same
-    kernels see the same bits either way, so the two modes give bitwise equal gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, mode):
-        o, ht, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
-                                     initial_state=initial_state, output_final_state=output_final_state,
-                                     save_tape=mode == "saved")
-        ctx.mode, ctx.scale, ctx.cu_seqlens = mode, scale, cu_seqlens
-        ctx.has_initial_state = initial_state is not None
-        if mode == "saved":
-            ctx.saved_context = saved
-        else:
-            ctx.save_for_backward(q, k, v, g, beta, initial_state)
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        if ctx.mode == "saved":
-            saved, ctx.saved_context = ctx.saved_context, None
-            dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(saved, do, dht, release=True)
-        else:
-            q, k, v, g, beta, h0 = ctx.saved_tensors
-            dq, dk, dv, dg, dbeta, dh0 = _replay_backward(q, k, v, g, beta, h0, ctx.cu_seqlens, ctx.scale, do, dht)
-        return (dq, dk, dv, dg, dbeta.to(torch.bfloat16), dh0 if ctx.has_initial_state else None,
-                None, None, None, None)
-
-
-def chunk_kda(q, k, v, g, beta, *, cu_seqlens=None, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, backward="replay"):
-    """Chunked KDA, differentiable; flash-linear-attention's chunk_kda arguments: q, k, v
-    [B, T, H, 128] bf16, g [B, T, H, 128] fp32 log decay, beta [B, T, H] bf16, initial_state
-    [N, H, 128, 128] fp32. Packed documents: B = 1 and cu_seqlens [N + 1] (on the CPU: no host
-    sync); without cu_seqlens, B sequences of T tokens (N = B). Returns (o [B, T, H, 128] bf16,
-    final_state [N, H, 128, 128] fp32 or None).
-    use_qk_l2norm_in_kernel: q and k are L2-normalised per head first (differentiably).
-    backward: "replay" keeps only the inputs and reruns the forward kernels in the backward (a head
-    group at a time when memory is short); "saved" keeps the tape and the chunk intermediates.
-    The two give bitwise equal gradients."""
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected shape [B, T, H, 128], got {list(q.shape)}")
-    B, T = q.shape[0], q.shape[1]
-    if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
-        for name, t in (("k", k), ("v", v), ("g", g)):
-            if t.shape != q.shape:
-                raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
-        if beta.dim() != 3 or tuple(beta.shape[:2]) != (B, T):
-            raise ValueError(f"beta: expected shape [{B}, {T}, H], got {list(beta.shape)}")
-        if T < 1:
-            raise ValueError("q: T must be at least 1")
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
-        q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
-        beta = beta.reshape(1, B * T, beta.shape[2])
-    elif B != 1:
-        raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    o, final = _ChunkKDA.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, backward)
-    return o.reshape(B, T, *o.shape[2:]), final
 
 
 def chunk_kda_transfer(saved: dict):

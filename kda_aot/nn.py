@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import reference
+from . import reference, registry
 from .cp.backends import ReferenceBackend
 from .cp.exchange import post_agreement
 from .cp.halo import CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
@@ -26,7 +26,14 @@ from .norm import WIDTH, l2norm_torch
 
 __all__ = ["PackedKDA"]
 
-BACKENDS = ("reference", "cuda")
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """"auto": "cuda" for a tensor on a GPU the kernels serve, else "reference"."""
+    if backend != "auto":
+        return backend
+    return "cuda" if isinstance(x, torch.Tensor) and registry.serves(x.device) else "reference"
 
 
 class PackedKDA(nn.Module):
@@ -36,13 +43,14 @@ class PackedKDA(nn.Module):
     q/k/v_conv_bias [H * head_dim] with conv_bias=True), the layout of
     flash-linear-attention's causal_conv1d.
     backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
-    backend: "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
+    backend: "auto" (per call: "cuda" for inputs on a GPU the kernels serve, else "reference") |
+    "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
     "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.kda, single
     device or through the CUDA backend of kda_aot.cp; head_dim must be 128).
     """
 
     def __init__(self, num_heads: int, head_dim: int = 128, conv_bias: bool = False,
-                 qk_l2norm: bool = True, backward: str = "replay", backend: str = "reference"):
+                 qk_l2norm: bool = True, backward: str = "replay", backend: str = "auto"):
         super().__init__()
         if backward not in BACKWARD_MODES:
             raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
@@ -75,13 +83,13 @@ class PackedKDA(nn.Module):
                 f"backward={self.backward_mode!r}, backend={self.backend!r}")
 
     # ------------------------------------------------------------------ pieces
-    def _fused_norm(self) -> bool:
+    def _fused_norm(self, backend: str) -> bool:
         """q and k normalised inside their conv (the CUDA backend's l2norm conv form, heads of 128)."""
-        return self.backend == "cuda" and self.qk_l2norm and self.head_dim == WIDTH
+        return backend == "cuda" and self.qk_l2norm and self.head_dim == WIDTH
 
-    def _conv_ops(self, x):
+    def _conv_ops(self, x, backend: str):
         """(single-device conv(x, weight, bias, cu_seqlens, l2norm), the CP conv's ops for q, k, v)."""
-        if self.backend == "cuda":
+        if backend == "cuda":
             from .conv import causal_conv1d_silu
 
             def conv(x, w, b, cu_seqlens, l2norm):
@@ -89,7 +97,7 @@ class PackedKDA(nn.Module):
                 cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens,
                                                                                         dtype=torch.int32)
                 return causal_conv1d_silu(x, w, b, cu_seqlens=cu, l2norm=l2norm)
-            fused = self._fused_norm()
+            fused = self._fused_norm(backend)
             return conv, [CudaConv(l2norm=fused), CudaConv(l2norm=fused), CudaConv()]
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -120,16 +128,16 @@ class PackedKDA(nn.Module):
         if plan is not None:
             facts, problem = conv_facts([q, k, v], plan)
             agreement = post_agreement("PackedKDA.conv_qkv", plan, group, facts, problem, q)
-        return self._conv_qkv(q, k, v, cu_seqlens, plan, agreement)
+        return self._conv_qkv(q, k, v, cu_seqlens, plan, agreement, resolve_backend(self.backend, q))
 
-    def _conv_qkv(self, q, k, v, cu_seqlens, plan, agreement):
+    def _conv_qkv(self, q, k, v, cu_seqlens, plan, agreement, backend):
         """conv_qkv with the ranks' agreement posted (under CP: the tails gathered before it is read, then
         one all_gather each way for the three halos)."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
         weights = [getattr(self, f"{name}_conv_weight") for name in "qkv"]
         biases = [getattr(self, f"{name}_conv_bias") for name in "qkv"]
-        conv, cp_conv = self._conv_ops(q)
-        fused = self._fused_norm()
+        conv, cp_conv = self._conv_ops(q, backend)
+        fused = self._fused_norm(backend)
         if plan is None:
             out = [conv(x, w, b, cu_seqlens, fused and name != "v")
                    for x, w, b, name in zip((q, k, v), weights, biases, "qkv")]
@@ -150,14 +158,16 @@ class PackedKDA(nn.Module):
         None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
-        if self.backend == "cuda" and self.head_dim != 128:
+        backend = resolve_backend(self.backend, q)
+        if backend == "cuda" and self.head_dim != 128:
             # before the conv and before any collective: every rank raises
             raise ValueError(f"PackedKDA(backend='cuda'): head_dim must be 128, got {self.head_dim}")
         if plan is not None:
-            return self._forward_cp(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state)
-        qc, kc, vc = self._conv_qkv(q, k, v, cu_seqlens, None, None)
-        if self.backend == "cuda":
-            from .kda import chunk_kda
+            return self._forward_cp(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state,
+                                    backend)
+        qc, kc, vc = self._conv_qkv(q, k, v, cu_seqlens, None, None, backend)
+        if backend == "cuda":
+            from .chunk import chunk_kda
             o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  backward=self.backward_mode)
@@ -168,13 +178,14 @@ class PackedKDA(nn.Module):
                                          output_final_state=output_final_state, dtype=dtype)
         return o.to(q.dtype), final
 
-    def _forward_cp(self, q, k, v, g, beta, plan, group, scale, initial_state, output_final_state):
+    def _forward_cp(self, q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backend):
         """Under CP: ONE agreement check for the whole call (the conv's facts and KDA's; each check is
         a host sync, and the GPU idles while the host launches what follows one: session 9's CP2
         timeline lost ~6 ms of Q1's 10.6 ms conv + norm prelude to four of them), posted first and read
         once the conv's local work is queued, then the conv with its halos and chunk_kda_cp."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
-        if self.backend == "cuda":
+        name = backend
+        if name == "cuda":
             from .cp.backends import CudaBackend
             backend = CudaBackend()
         else:
@@ -184,7 +195,7 @@ class PackedKDA(nn.Module):
                                                    backend)
         conv_known, conv_problem = conv_facts([q, k, v], plan)
         agreement = post_agreement("PackedKDA", plan, group, {**conv_known, **facts}, conv_problem or problem, q)
-        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, agreement)
+        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, agreement, name)
         o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=agreement.group, scale=scale,
                                        initial_state=initial_state, output_final_state=output_final_state,
                                        backward=self.backward_mode, backend=backend)

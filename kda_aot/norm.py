@@ -40,21 +40,44 @@ def l2norm_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, *, ou
     return dx
 
 
-class _L2Norm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, eps):
-        y, rstd = l2norm_forward(x, eps)
-        ctx.save_for_backward(x, rstd)
-        return y
+@torch.library.custom_op("kda_aot::l2norm_fwd", mutates_args=())
+def l2norm_fwd_op(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of a contiguous bf16 x [..., 128] (the kernels)."""
+    return l2norm_forward(x.contiguous(), eps)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, rstd = ctx.saved_tensors
-        return l2norm_backward(x, rstd, dy.to(torch.bfloat16).contiguous()), None
+
+@l2norm_fwd_op.register_fake
+def _(x, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kda_aot::l2norm_bwd", mutates_args=())
+def l2norm_bwd_op(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    return l2norm_backward(x.contiguous(), rstd.contiguous(), dy.to(torch.bfloat16).contiguous())
+
+
+@l2norm_bwd_op.register_fake
+def _(x, rstd, dy):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, _ = inputs
+    ctx.save_for_backward(x, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _):
+    x, rstd = ctx.saved_tensors
+    return l2norm_bwd_op(x, rstd, dy), None
+
+
+l2norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """Differentiable per-head L2 norm: x [..., 128] bf16 on a CUDA device, contiguous."""
+    """Differentiable per-head L2 norm: x [..., 128] bf16 on a CUDA device (the kernel refuses others), any
+    strides."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] != WIDTH:
@@ -63,6 +86,4 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
         raise TypeError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
     if not float(eps) > 0:
         raise ValueError(f"eps: expected a positive number, got {eps}")
-    if x.device.type != "cuda":
-        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
-    return _L2Norm.apply(x.contiguous(), float(eps))
+    return l2norm_fwd_op(x.contiguous(), float(eps))[0]

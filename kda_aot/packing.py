@@ -31,10 +31,15 @@ def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True, eq=False)
 class PackTables:
-    bounds: tuple        # host copy of cu_seqlens
-    cu: torch.Tensor     # [N + 1] int32 on the device
+    """The tables of a pack's non-empty documents (the kernels' segments: a zero-length document has no
+    chunk and no state walk) and the map from documents to segments."""
+    bounds: tuple        # host boundaries of the segments (cu_seqlens without its zero-length documents)
+    cu: torch.Tensor     # [n_segments + 1] int32 on the device
     chunks: torch.Tensor  # [n_chunks, 2] int32: (first token, end token)
-    seg_chunks: torch.Tensor  # [N + 1] int32: first chunk of each segment
+    seg_chunks: torch.Tensor  # [n_segments + 1] int32: first chunk of each segment
+    n_docs: int          # documents in cu_seqlens, zero-length ones included
+    kept: tuple          # the document of each segment
+    kept_index: torch.Tensor | None  # `kept` as int64 on the device; None when no document is empty
 
     @property
     def n_segments(self) -> int:
@@ -45,12 +50,30 @@ class PackTables:
         """Chunks of each segment: the lengths of the state-walk chains (per head)."""
         return tuple(-(-(e - s) // CHUNK) for s, e in zip(self.bounds[:-1], self.bounds[1:]))
 
+    def segment_rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Rows of a per-document tensor ([n_docs, ...]) for the segments ([n_segments, ...]); x itself when
+        no document is empty."""
+        return x if x is None or self.kept_index is None else x.index_select(0, self.kept_index)
+
+    def document_rows(self, x: torch.Tensor, empty: torch.Tensor | None = None) -> torch.Tensor:
+        """A per-segment tensor as rows of documents: a zero-length document's row is `empty`'s row
+        (a per-document tensor) or zeros; x itself when no document is empty."""
+        if self.kept_index is None:
+            return x
+        out = torch.zeros((self.n_docs, *x.shape[1:]), dtype=x.dtype, device=x.device) if empty is None \
+            else empty.to(x.dtype, copy=True)
+        return out.index_copy_(0, self.kept_index, x)
+
 
 @functools.lru_cache(maxsize=64)
-def _tables(bounds: tuple, device: torch.device) -> PackTables:
+def _tables(doc_bounds: tuple, device: torch.device) -> PackTables:
+    kept = tuple(i for i in range(len(doc_bounds) - 1) if doc_bounds[i + 1] > doc_bounds[i])
+    bounds = (0, *(doc_bounds[i + 1] for i in kept))
     chunks, seg_chunks = chunk_table(list(bounds))
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device)  # noqa: E731
-    return PackTables(bounds, as_i32(list(bounds)), as_i32(chunks).view(-1, 2), as_i32(seg_chunks))
+    kept_index = None if len(kept) == len(doc_bounds) - 1 else torch.tensor(kept, dtype=torch.int64).to(device)
+    return PackTables(bounds, as_i32(list(bounds)), as_i32(chunks).view(-1, 2), as_i32(seg_chunks),
+                      len(doc_bounds) - 1, kept, kept_index)
 
 
 def pack_tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> PackTables:

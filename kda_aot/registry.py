@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
 BUILD_HINT = "python setup.py build_ext --inplace"
@@ -43,7 +45,6 @@ def records() -> tuple[dict, ...]:
 
 def running_arch() -> str:
     """Arch of the current CUDA device; without a GPU, KDA_AOT_ARCH or sm_90a (for loading only)."""
-    import torch
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         return CAPABILITY_ARCH.get(cap, f"sm_{cap[0]}{cap[1]}")
@@ -92,3 +93,14 @@ def built_forms(program: str, forms=None) -> list[str]:
         except RecordError:
             pass
     return out
+
+
+@torch.compiler.assume_constant_result  # a fact of the machine: torch.compile reads it while tracing
+def serves(device) -> bool:
+    """Whether the kernels run on `device`: a CUDA device whose arch has shipped records (the "auto"
+    backends' choice)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    arch = CAPABILITY_ARCH.get(torch.cuda.get_device_capability(device))
+    return arch is not None and any(r["arch"] == arch and r["shipped"] for r in records())

@@ -184,7 +184,7 @@ def test_horner_gate_gradients_match_reference(pack, gate):
 
 
 def _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, mode):
-    from kda_aot.kda import chunk_kda
+    from kda_aot import chunk_kda
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     o, ht = chunk_kda(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], output_final_state=True, backward=mode)
     torch.autograd.backward((o, ht), (dout, dht))
@@ -217,7 +217,7 @@ def test_saved_and_replay_gradients_are_bitwise_equal_and_right(monkeypatch):
 def test_replay_keeps_no_per_chunk_tensors():
     lens, H = [4096, 4096], 4
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("mem"), True)
-    from kda_aot.kda import chunk_kda
+    from kda_aot import chunk_kda
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -351,7 +351,7 @@ def test_batched_input_and_qk_l2norm_follow_fla_conventions():
 def test_replay_walks_side_by_side_are_bitwise_the_sequential_replay(monkeypatch):
     """The replay runs its forward walk on a side stream beside the backward walk; with
     KDA_AOT_REPLAY_OVERLAP=0 it runs them one after the other: every gradient bitwise the same."""
-    from kda_aot.kda import chunk_kda
+    from kda_aot import chunk_kda
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("replay-overlap"), True)
     dout = torch.randn(q.shape, device="cuda", generator=rng("replay-overlap-do")).to(torch.bfloat16)

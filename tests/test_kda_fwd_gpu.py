@@ -278,7 +278,7 @@ def test_pipelined_forward_with_forced_walk_forms(monkeypatch):
 def test_pipelined_forward_gradients_bitwise(monkeypatch, mode):
     """KDA_AOT_PIPELINE=1 through autograd (the pipelined forward; in replay mode also the pipelined
     replay of the backward): output and every gradient bitwise as without it."""
-    from kda_aot.kda import chunk_kda
+    from kda_aot import chunk_kda
     q, k, v, g, beta, cu, h0 = make(PACKS["long"], 3, "rand", rng(("pipeline-grad", mode)), True)
     do = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-grad-do", mode))).to(torch.bfloat16)
     results = []

@@ -65,9 +65,27 @@ def test_defaults_and_upcast(gen):
     assert rel_err(o1, o2) < REL_FP64
 
 
+def test_zero_length_documents(gen):
+    """A zero-length document (padding) leaves its state as it was: final = initial state (or zero); the
+    other documents are as in the pack without it."""
+    lens = [0, 5, 0, 0, 70, 3, 0]
+    q, k, v, g, beta, h0 = make_inputs(gen, lens, 2, 16, 16, "rand", True)
+    kept = [i for i, n in enumerate(lens) if n]
+    for fn in (ref.kda_recurrent, ref.kda_chunked):
+        o, s = fn(q, k, v, g, beta, cu_seqlens=cu_of(lens), initial_state=h0, output_final_state=True)
+        o_c, s_c = fn(q, k, v, g, beta, cu_seqlens=cu_of([lens[i] for i in kept]), initial_state=h0[kept],
+                      output_final_state=True)
+        assert torch.equal(o, o_c) and torch.equal(s[kept], s_c)
+        assert all(torch.equal(s[i], h0[i]) for i, n in enumerate(lens) if not n)
+    x = torch.randn(1, sum(lens), 8, generator=gen, dtype=F64)
+    w = torch.randn(8, 4, generator=gen, dtype=F64)
+    assert torch.equal(ref.conv1d_silu(x, w, cu_seqlens=cu_of(lens)),
+                       ref.conv1d_silu(x, w, cu_seqlens=cu_of([lens[i] for i in kept])))
+
+
 def test_bad_cu_seqlens_raise(gen):
     q, k, v, g, beta, _ = make_inputs(gen, [4], 1, 4, 4)
-    for cu in ([0, 3], [1, 4], [0, 2, 2, 4]):
+    for cu in ([0, 3], [1, 4], [0, 3, 2, 4]):
         with pytest.raises(ValueError):
             ref.kda_chunked(q, k, v, g, beta, cu_seqlens=cu)
 

@@ -244,8 +244,12 @@ class CudaBackend:
                                   need_dtape=False)[1]  # the offset walk: no tape written
 
 
-def get_backend(backend, dtype: Optional[torch.dtype] = None):
-    """'reference' | 'cuda' | a backend object -> a backend object."""
+def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
+    """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': 'cuda' when `like` (a
+    tensor) is on a GPU the kernels serve, else 'reference'."""
+    if backend == "auto":
+        from ..registry import serves
+        backend = "cuda" if isinstance(like, torch.Tensor) and serves(like.device) else "reference"
     if isinstance(backend, str):
         if backend == "reference":
             return ReferenceBackend(dtype or torch.float32)
@@ -253,7 +257,7 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None):
             if not torch.cuda.is_available():
                 raise RuntimeError("kda_aot.cp: backend='cuda' needs a CUDA GPU")
             return CudaBackend()
-        raise ValueError(f"unknown backend {backend!r}: valid backends are 'reference', 'cuda' "
+        raise ValueError(f"unknown backend {backend!r}: valid backends are 'auto', 'reference', 'cuda' "
                          f"(or a backend object, see kda_aot.cp.backends)")
     for attr in ("summary", "forward", "backward", "state_dtype", "name"):
         if not hasattr(backend, attr):

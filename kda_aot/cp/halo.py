@@ -209,13 +209,13 @@ class CudaConv:
         return x.dtype
 
     def forward(self, x, w, b, cu_seqlens, halo):
-        from ..conv import _checked_boundaries, _f32, conv1d_silu_forward, conv_form
-        cu = _checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
+        from ..conv import _f32, checked_boundaries, conv1d_silu_forward, conv_form
+        cu = checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
         return conv1d_silu_forward(x, _f32(w), _f32(b), cu, halo, form=conv_form(x, self.l2norm))
 
     def backward(self, x, w, b, cu_seqlens, halo, dy):
-        from ..conv import _checked_boundaries, _f32, conv1d_silu_backward, conv_form
-        cu = _checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
+        from ..conv import _f32, checked_boundaries, conv1d_silu_backward, conv_form
+        cu = checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
         dx, dw, db, dhalo = conv1d_silu_backward(x, _f32(w), _f32(b), cu, dy.contiguous(), halo, need_dhalo=True,
                                                  form=conv_form(x, self.l2norm))
         return dx, dw.to(w.dtype), None if db is None else db.to(b.dtype), dhalo
@@ -319,14 +319,14 @@ class _ConvHalo(torch.autograd.Function):
         return dx, None, None, None
 
 
-def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="reference",
+def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="auto",
                    agreement: Optional[Agreement] = None):
     """Collective, differentiable: the causal conv1d + SiLU of this rank's tokens under CP.
 
     xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
     weights / biases: one per x ([D, 4], [D] or None). The halos of all of them travel in one
-    all_gather, their gradients back in one more. conv: "reference" (kda_aot.reference in x's
-    dtype), "cuda" (the kernels, bf16), an object with forward/backward like ReferenceConv, or a
+    all_gather, their gradients back in one more. conv: "auto" ("cuda" for bf16 inputs on a GPU the
+    kernels serve, else "reference"), "reference" (kda_aot.reference in x's dtype), "cuda" (the kernels, bf16), an object with forward/backward like ReferenceConv, or a
     list of such objects, one per x (PackedKDA: CudaConv(l2norm=True) for q and k).
     Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns empty
     results that must still reach the loss (the backward is collective).
@@ -340,6 +340,9 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     biases = [biases] if single else list(biases if biases is not None else [None] * len(xs))
     if len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(weights)} weights and {len(biases)} biases")
+    if conv == "auto":
+        from ..registry import serves
+        conv = "cuda" if xs[0].dtype == torch.bfloat16 and serves(xs[0].device) else "reference"
     conv = {"reference": ReferenceConv, "cuda": CudaConv}[conv]() if isinstance(conv, str) else conv
     convs = tuple(conv) if isinstance(conv, (list, tuple)) else (conv,) * len(xs)
     if len(convs) != len(xs):

@@ -367,7 +367,7 @@ class _ChunkKdaCP(torch.autograd.Function):
 
 def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[float] = None,
                  initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                 backward: str = "replay", backend="reference"):
+                 backward: str = "replay", backend="auto"):
     """Context-parallel KDA on this rank's LOCAL shards. Collective: every rank of `group`
     calls it with the same plan (built for its rank), in the same order; so is the backward.
 
@@ -376,7 +376,8 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     initial_state: [N, H, K, V] (one row per global document) or None; only the rows of the
     documents whose first fragment is on this rank are read.
     scale: defaults to K ** -0.5. backward: "replay" | "saved" (bitwise-equal gradients).
-    backend: "reference" (kda_aot.reference in fp32) | "cuda" (the kernels) | a backend object.
+    backend: "auto" ("cuda" for tensors on a GPU the kernels serve, else "reference") | "reference"
+    (kda_aot.reference in fp32) | "cuda" (the kernels) | a backend object.
 
     Returns (o [1, T_local, H, V] in q's dtype, final_state or None). final_state is
     [N, H, K, V] fp32 holding the final states of the documents whose last fragment is on this
@@ -401,7 +402,7 @@ def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: st
     chunk_kda_cp call; raises on arguments that are wrong on every rank alike (mode, plan type)."""
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
-    backend = get_backend(backend)
+    backend = get_backend(backend, like=q)
     if not isinstance(plan, CPPlan):
         raise TypeError(f"plan: expected a kda_aot.cp.CPPlan (see kda_aot.cp.make_plan), "
                         f"got {type(plan).__name__}")

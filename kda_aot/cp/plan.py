@@ -216,7 +216,12 @@ def _as_bounds(cu_seqlens) -> List[int]:
         cu_seqlens = torch.tensor(values, dtype=torch.int64)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
-    return check_cu_seqlens(cu_seqlens.cpu(), int(cu_seqlens[-1]))
+    bounds = check_cu_seqlens(cu_seqlens.cpu(), int(cu_seqlens[-1]))
+    for i in range(len(bounds) - 1):
+        if bounds[i] == bounds[i + 1]:
+            raise ValueError(f"cu_seqlens: zero-length document {i} ({bounds[i]} -> {bounds[i + 1]}): context "
+                             f"parallelism takes non-empty documents only (drop it from cu_seqlens)")
+    return bounds
 
 
 def _held_ranges(cu: List[int], W: int, layout: str, chunk: int) -> List[List[Tuple[int, int]]]:

@@ -1,0 +1,307 @@
+"""kda_aot.chunk_kda: flash-linear-attention's chunk_kda on the kernels, as torch.library custom ops.
+
+The forward and backward are custom ops (namespace kda_aot) with fake implementations and registered
+autograd, so torch.compile(fullgraph=True) traces a training step through them and CUDA graphs
+capture them. The ops take inputs and incoming gradients of any strides (made contiguous where the
+kernels need it) and packs with zero-length documents (the kernels see only the non-empty ones: a
+zero-length document's final state is its initial state, its initial-state gradient the final-state
+gradient). Shapes the fake implementations give:
+
+    o [1, T, H, 128] bf16, final_state [N, H, 128, 128] fp32 ([0] when not asked for)
+    saved context (backward="saved"): the chunk intermediates, chunk-indexed ones over
+    max_chunks(T, N) rows (the exact chunk count depends on the values of cu_seqlens)
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import kda
+from .kda import HEAD_DIM, MAX_HEADS
+from .norm import l2norm
+from .packing import CHUNK
+
+BACKWARD_MODES = ("replay", "saved")
+# The saved context of backward="saved": the chunk stage's and the forward walk's outputs that the
+# backward reads, in the order the saved ops return and take them.
+SAVED = ("w", "u", "qg", "kg", "aqk", "gamma", "akk_inv", "tape", "vnew")
+_PER_CHUNK_SAVED = ("gamma", "tape")
+
+
+def max_chunks(T, n_docs):
+    """An upper bound of a pack's chunk count that needs only its shape: a document of l tokens has
+    ceil(l / 64) <= floor(l / 64) + 1 chunks."""
+    return T // CHUNK + n_docs
+
+
+def _contiguous(*xs):
+    return tuple(None if x is None else x.contiguous() for x in xs)
+
+
+def _state_rows(x: Optional[Tensor], n_docs: int, H: int, name: str):
+    if x is not None and tuple(x.shape) != (n_docs, H, HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"{name}: expected shape [{n_docs}, {H}, 128, 128], got {list(x.shape)}")
+
+
+def _no_state(q: Tensor) -> Tensor:
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------ forward
+
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save):
+    """o, final_state (or [0]) and, with save, the saved context (SAVED order, per-chunk tensors over
+    max_chunks rows)."""
+    q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
+    T, H = q.shape[1], q.shape[2]
+    tables = kda.tables_of(cu_seqlens, T, q.device)
+    _state_rows(h0, tables.n_docs, H, "initial_state")
+    out, full = {}, {}
+    if save:
+        rows, C = max_chunks(T, tables.n_docs), tables.chunks.shape[0]
+        f32 = dict(device=q.device, dtype=torch.float32)
+        full = {"gamma": torch.empty(rows, H, HEAD_DIM, **f32),
+                "tape": torch.empty(rows, H, HEAD_DIM, HEAD_DIM, **f32)}
+        out = {name: x[:C] for name, x in full.items()}
+        for x in full.values():  # the rows past the pack's chunks hold zeros, not leftover memory
+            x[C:].zero_()
+    if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
+        o, final, *context = _fake_forward(q, h0, cu_seqlens, output_final_state, save)
+        if output_final_state:
+            final = h0.clone() if h0 is not None else final.zero_()
+        return (o, final, *context)
+    o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
+                                        initial_state=tables.segment_rows(h0),
+                                        output_final_state=output_final_state, save_tape=save, out=out)
+    if final is not None:
+        final = tables.document_rows(final, h0)
+    final = _no_state(q) if final is None else final
+    if not save:
+        return o, final
+    return (o, final, *(full.get(name, saved[name]) for name in SAVED))
+
+
+def _fake_forward(q, initial_state, cu_seqlens, output_final_state, save):
+    T, H, N = q.shape[1], q.shape[2], cu_seqlens.shape[0] - 1
+    o = q.new_empty(q.shape, dtype=torch.bfloat16)
+    final = q.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(q)
+    if not save:
+        return o, final
+    rows = max_chunks(T, N)
+    token = lambda width: q.new_empty((1, T, H, width), dtype=torch.bfloat16)  # noqa: E731
+    shapes = {"gamma": q.new_empty((rows, H, HEAD_DIM), dtype=torch.float32),
+              "tape": q.new_empty((rows, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32),
+              "aqk": token(CHUNK), "akk_inv": token(CHUNK)}
+    return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED))
+
+
+@torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                     cu_seqlens: Tensor, scale: float, output_final_state: bool) -> tuple[Tensor, Tensor]:
+    """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save=False)
+
+
+@chunk_kda_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=False)
+
+
+@torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=())
+def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
+                           output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                              Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final_state or [0], *the saved context in SAVED order) for the saved-context backward."""
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save=True)
+
+
+@chunk_kda_fwd_saved_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+    return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=True)
+
+
+# ----------------------------------------------------------------------------------- backward
+
+def _backward_result(q, beta, tables, grads, initial_state, dfinal_state):
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    if initial_state is None:
+        dh0 = _no_state(q)
+    else:
+        dh0 = tables.document_rows(dh0, dfinal_state)
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
+
+
+def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state):
+    """The gradients of a pack of zero-length documents only (T = 0)."""
+    H = q.shape[2]
+    dh0 = _no_state(q)
+    if initial_state is not None:
+        dh0 = dfinal_state.clone() if dfinal_state is not None else torch.zeros(
+            tables.n_docs, H, HEAD_DIM, HEAD_DIM, device=q.device)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+@torch.library.custom_op("kda_aot::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                     cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor]
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
+    d_initial_state or [0])."""
+    q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
+    tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
+    if tables.n_segments == 0:
+        return _empty_backward(q, k, v, g, beta, tables, h0, dht)
+    grads = kda.replay_backward(q, k, v, g, beta, tables.segment_rows(h0), tables, scale, do,
+                                tables.segment_rows(dht))
+    return _backward_result(q, beta, tables, grads, h0, dht)
+
+
+def _fake_backward(q, k, v, g, beta, initial_state):
+    dh0 = (_no_state(q) if initial_state is None else
+           q.new_empty(initial_state.shape, dtype=torch.float32))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dh0)
+
+
+@chunk_kda_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state):
+    return _fake_backward(q, k, v, g, beta, initial_state)
+
+
+@torch.library.custom_op("kda_aot::chunk_kda_bwd_saved", mutates_args=())
+def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
+                           w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,
+                           akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor]
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Saved-context backward over chunk_kda_fwd_saved's context: bitwise the replay's gradients."""
+    q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
+    tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
+    if tables.n_segments == 0:
+        return _empty_backward(q, k, v, g, beta, tables, h0, dht)
+    C = tables.chunks.shape[0]
+    context = dict(zip(SAVED, (w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew)))
+    saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
+    saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
+                 chain_lengths=tables.chain_lengths, scale=scale)
+    grads = kda.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
+    return _backward_result(q, beta, tables, grads, h0, dht)
+
+
+@chunk_kda_bwd_saved_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew, do,
+      dfinal_state):
+    return _fake_backward(q, k, v, g, beta, initial_state)
+
+
+# ----------------------------------------------------------------------------------- autograd
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _ = inputs
+    ctx.scale = scale
+    ctx.has_initial_state = initial_state is not None
+    ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
+    if len(output) > 2:
+        ctx.mark_non_differentiable(*output[2:])
+
+
+def _backward(ctx, do, dfinal_state, *_):
+    q, k, v, g, beta, h0, cu_seqlens, *context = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(q)
+    if dfinal_state is not None and dfinal_state.numel() == 0:
+        dfinal_state = None
+    if context:
+        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state)
+    else:
+        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state)
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    return dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None
+
+
+chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+chunk_kda_fwd_saved_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------- public op
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+    """Checks that need only shapes, dtypes and devices (the values of cu_seqlens are checked by the op,
+    before any kernel of it runs)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
+                    ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected shape [B, T, H, 128], got {list(q.shape)}")
+    B, T, H = q.shape[:3]
+    if q.shape[3] != HEAD_DIM:
+        raise ValueError(f"q: head dim must be 128, got {q.shape[3]}")
+    if H > MAX_HEADS:
+        raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
+    for name, t in (("k", k), ("v", v), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta: expected shape [{B}, {T}, {H}], got {list(beta.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
+    for name, t, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                           ("g", g, torch.float32), ("beta", beta, torch.bfloat16),
+                           ("initial_state", initial_state, torch.float32)):
+        if t is not None and t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+    if cu_seqlens is not None:
+        if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens: on {cu_seqlens.device}; expected the CPU or {q.device}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_cpu: give cu_seqlens too (cu_seqlens_cpu is its copy on the CPU)")
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu: expected a CPU tensor, got one on {cu_seqlens_cpu.device}")
+        if cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu: expected shape {list(cu_seqlens.shape)} (as cu_seqlens), got "
+                             f"{list(cu_seqlens_cpu.shape)}")
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, backward="replay"):
+    """Chunked KDA, differentiable; flash-linear-attention's chunk_kda arguments: q, k, v
+    [B, T, H, 128] bf16, g [B, T, H, 128] fp32 log decay, beta [B, T, H] bf16, initial_state
+    [N, H, 128, 128] fp32. Packed documents: B = 1 and cu_seqlens [N + 1] int32/int64,
+    non-decreasing (zero-length documents are legal), on the CPU or q's device; on the device, give
+    its CPU copy as cu_seqlens_cpu to spare the host sync that reads it (what a CUDA graph capture
+    needs; the two must hold the same values). Without cu_seqlens, B sequences of T tokens (N = B).
+    Any strides. Returns (o [B, T, H, 128] bf16, final_state [N, H, 128, 128] fp32 or None).
+    use_qk_l2norm_in_kernel: q and k are L2-normalised per head first (differentiably).
+    backward: "replay" keeps only the inputs and reruns the forward kernels in the backward (a head
+    group at a time when memory is short); "saved" keeps the tape and the chunk intermediates.
+    The two give bitwise equal gradients."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+        q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
+        beta = beta.reshape(1, B * T, beta.shape[2])
+    else:
+        cu = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
+    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
+    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state))[:2]
+    return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

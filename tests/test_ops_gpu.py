@@ -1,0 +1,261 @@
+"""The public ops on the GPU as training code calls them: torch.library's opcheck on every op,
+torch.compile(fullgraph=True) and its CUDA-graph mode bitwise equal to eager, plain .sum() losses and
+unused outputs (expanded or absent incoming gradients), q/k/v as views of one projection, zero-length
+documents, and cu_seqlens in every form flash-linear-attention takes - each against the fp64 reference
+or bitwise against the call it must equal.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import SEED, gpu
+from kda_aot import chunk_kda, reference
+from kda_aot.nn import PackedKDA
+from test_kda_bwd_gpu import BOUND
+from test_kda_fwd_gpu import REL, rel_rms, rng
+
+pytestmark = gpu
+BF = torch.bfloat16
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def inputs(lens, H, gen, fused=False):
+    """q, k, v (views of one [1, T, 3H, 128] projection when fused), g, beta, h0 as leaves, cu (CPU)."""
+    T = sum(lens)
+    if fused:
+        qkv = torch.randn(1, T, 3 * H, 128, device="cuda", generator=gen).to(BF).requires_grad_()
+        leaves = [qkv]
+    else:
+        leaves = [torch.randn(1, T, H, 128, device="cuda", generator=gen).to(BF).requires_grad_() for _ in range(3)]
+    g = (-5 * torch.rand(1, T, H, 128, device="cuda", generator=gen)).requires_grad_()
+    beta = torch.rand(1, T, H, device="cuda", generator=gen).to(BF).requires_grad_()
+    h0 = (0.1 * torch.randn(len(lens), H, 128, 128, device="cuda", generator=gen)).requires_grad_()
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    return leaves, g, beta, h0, cu
+
+
+def qkv_of(leaves, H):
+    return leaves[0].split(H, dim=2) if len(leaves) == 1 else leaves
+
+
+def reference_grads(q, k, v, g, beta, h0, cu, do, dht):
+    """fp64 chunked reference of o, final state and every gradient (q and k L2-normalised first)."""
+    cpu = [x.detach().cpu().double() for x in (q, k, v, g, beta)]
+    qn, kn = (F.normalize(x, dim=-1) for x in cpu[:2])
+    rs = reference.kda_chunked_fwd_saved(qn, kn, *cpu[2:], cu_seqlens=cu, initial_state=h0.detach().cpu())
+    grads = reference.kda_chunked_bwd(rs, do.cpu().double(), None if dht is None else dht.cpu().double(),
+                                      q=qn, k=kn, v=cpu[2], g=cpu[3], beta=cpu[4])
+    return rs, grads
+
+
+def normalised_grads(q, k, dqn, dkn):
+    """d(loss)/dq from d(loss)/d(q / |q|) (the reference takes normalised q, k)."""
+    out = []
+    for x, dy in ((q, dqn), (k, dkn)):
+        x = x.detach().cpu().double()
+        n = x.norm(dim=-1, keepdim=True)
+        y = x / n
+        out.append((dy - y * (dy * y).sum(-1, keepdim=True)) / n)
+    return out
+
+
+# ------------------------------------------------------------------------------ opcheck
+
+def _small(gen, T=150, H=2, N=3):
+    q, k, v = (F.normalize(torch.randn(1, T, H, 128, device="cuda", generator=gen), dim=-1).to(BF) for _ in "qkv")
+    g = -5 * torch.rand(1, T, H, 128, device="cuda", generator=gen)
+    beta = torch.rand(1, T, H, device="cuda", generator=gen).to(BF)
+    h0 = torch.randn(N, H, 128, 128, device="cuda", generator=gen)
+    return q, k, v, g, beta, h0, torch.tensor([0, 0, 70, T])
+
+
+def test_opcheck_every_op():
+    """Schema, fake implementation against the real outputs (also with dynamic shapes), autograd
+    registration: torch.library.opcheck on each op."""
+    ops = torch.ops.kda_aot
+    gen = rng("opcheck")
+    q, k, v, g, beta, h0, cu = _small(gen)
+    leaf = lambda x: x.clone().requires_grad_()  # noqa: E731
+    for op in (ops.chunk_kda_fwd, ops.chunk_kda_fwd_saved):
+        torch.library.opcheck(op, (leaf(q), leaf(k), leaf(v), leaf(g), leaf(beta), leaf(h0), cu, 0.1, True))
+        torch.library.opcheck(op, (q, k, v, g, beta, None, cu, 0.1, False))
+    do = torch.randn_like(q)
+    dht = torch.randn_like(h0)
+    torch.library.opcheck(ops.chunk_kda_bwd, (q, k, v, g, beta, h0, cu, 0.1, do, dht))
+    torch.library.opcheck(ops.chunk_kda_bwd, (q, k, v, g, beta, None, cu, 0.1, do, None))
+    context = ops.chunk_kda_fwd_saved(q, k, v, g, beta, h0, cu, 0.1, True)[2:]
+    torch.library.opcheck(ops.chunk_kda_bwd_saved, (q, k, v, g, beta, h0, cu, 0.1, *context, do, dht))
+    x = torch.randn(1, q.shape[1], 256, device="cuda", generator=gen).to(BF)
+    w, b = torch.randn(256, 4, device="cuda", generator=gen), torch.randn(256, device="cuda", generator=gen)
+    halo = torch.randn(3, 3, 256, device="cuda", generator=gen).to(BF)
+    for form in ("default", "l2norm"):
+        torch.library.opcheck(ops.causal_conv1d_silu_fwd, (leaf(x), leaf(w), leaf(b), leaf(halo), cu, form))
+        torch.library.opcheck(ops.causal_conv1d_silu_bwd, (x, w, b, halo, cu, x, form, True))
+    torch.library.opcheck(ops.l2norm_fwd, (leaf(q), 1e-6))
+    torch.library.opcheck(ops.l2norm_bwd, (q, torch.rand(q.shape[:-1], device="cuda") + 1, do))
+
+
+# ------------------------------------------------------------------- losses, views, layouts
+
+@pytest.mark.parametrize("backward", ["replay", "saved"])
+@pytest.mark.parametrize("loss", ["sum", "o_only", "state_only"])
+def test_plain_losses_and_unused_outputs(backward, loss):
+    """loss = o.sum() + final_state.sum() (expanded incoming gradients), o alone (no state gradient),
+    the state alone (no output gradient): every gradient against fp64, q/k/v views of one projection."""
+    H, lens = 2, [1, 63, 64, 65, 300]
+    leaves, g, beta, h0, cu = inputs(lens, H, rng(("loss", backward, loss)), fused=True)
+    q, k, v = qkv_of(leaves, H)
+    o, s = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, backward=backward)
+    total = {"sum": o.sum() + s.sum(), "o_only": o.sum(), "state_only": s.sum()}[loss]
+    total.backward()
+    do = torch.zeros_like(o) if loss == "state_only" else torch.ones_like(o)
+    dht = None if loss == "o_only" else torch.ones_like(s)
+    rs, want = reference_grads(q, k, v, g, beta, h0, cu, do, dht)
+    if loss != "state_only":
+        assert rel_rms(o.detach().cpu(), rs["o"]) < REL
+    dq, dk = normalised_grads(q, k, want[0], want[1])
+    dqkv = leaves[0].grad.cpu()
+    got = dict(zip(NAMES, (dqkv[:, :, :H], dqkv[:, :, H:2 * H], dqkv[:, :, 2 * H:], g.grad.cpu(), beta.grad.cpu(),
+                           h0.grad.cpu())))
+    for name, ref in zip(NAMES, (dq, dk, *want[2:])):
+        e = rel_rms(got[name], ref)
+        assert torch.isfinite(got[name]).all() and e < BOUND.get(name, REL), f"{name} {e:.3e} (seed {SEED})"
+
+
+def test_strided_views_equal_contiguous_inputs_bitwise():
+    """Transposed and sliced views give bitwise the outputs and gradients of their contiguous copies."""
+    H, lens = 3, [100, 29]
+    gen = rng("views")
+    T = sum(lens)
+    base = [torch.randn(1, H, T, 128, device="cuda", generator=gen).to(BF) for _ in range(3)]
+    base += [-5 * torch.rand(1, T, H, 256, device="cuda", generator=gen),
+             torch.rand(1, H, T, device="cuda", generator=gen).to(BF)]
+    cu = torch.tensor([0, 100, T])
+    do = torch.randn(1, T, H, 128, device="cuda", generator=gen).to(BF)
+
+    def run(copy):
+        leaves = [x.clone().requires_grad_() for x in base]
+        xs = [x.transpose(1, 2) for x in leaves[:3]] + [leaves[3][..., ::2], leaves[4].transpose(1, 2)]
+        assert not any(x.is_contiguous() for x in xs)
+        o, _ = chunk_kda(*(x.contiguous() if copy else x for x in xs), cu_seqlens=cu)
+        o.backward(do)
+        return [o.detach()] + [x.grad for x in leaves]
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lens", [[0, 70, 5], [70, 5, 0], [3, 0, 0, 64, 0, 129, 0], [0, 0]],
+                         ids=["first", "last", "consecutive", "all-empty"])
+@pytest.mark.parametrize("backward", ["replay", "saved"])
+def test_zero_length_documents(lens, backward):
+    """Padded packs: bitwise the pack without the empty documents; an empty document's final state is
+    its initial state, its initial-state gradient the final-state gradient."""
+    H = 2
+    leaves, g, beta, h0, cu = inputs(lens, H, rng(("empty", tuple(lens), backward)))
+    kept = [i for i, n in enumerate(lens) if n]
+    T = sum(lens)
+    gen = rng(("empty-grads", tuple(lens)))
+    do = torch.randn(1, T, H, 128, device="cuda", generator=gen).to(BF)
+    dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=gen)
+    o, s = chunk_kda(*leaves, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, backward=backward)
+    torch.autograd.backward((o, s), (do, dht))
+    got = [o.detach(), s.detach()] + [x.grad for x in (*leaves, g, beta, h0)]
+    empty = [i for i, n in enumerate(lens) if not n]
+    assert torch.equal(s[empty], h0[empty]) and torch.equal(h0.grad[empty], dht[empty])
+    if not kept:
+        assert o.shape == (1, 0, H, 128) and all(x.grad.shape == x.shape for x in (*leaves, g, beta))
+        return
+    fresh = [x.detach().clone().requires_grad_() for x in (*leaves, g, beta)]
+    h0k = h0.detach()[kept].clone().requires_grad_()
+    ok, sk = chunk_kda(*fresh, cu_seqlens=torch.tensor([0, *[lens[i] for i in kept]]).cumsum(0),
+                       initial_state=h0k, output_final_state=True, backward=backward)
+    torch.autograd.backward((ok, sk), (do, dht[kept]))
+    assert torch.equal(o, ok) and torch.equal(s[kept], sk)
+    for a, b in zip(got[2:-1], [x.grad for x in fresh]):
+        assert torch.equal(a, b)
+    assert torch.equal(h0.grad[kept], h0k.grad)
+
+
+def test_cu_seqlens_forms_are_bitwise_the_same():
+    """int32 or int64, on the CPU or the GPU, and GPU + its CPU copy (cu_seqlens_cpu: no host sync)."""
+    H, lens = 2, [77, 200, 1]
+    leaves, g, beta, h0, cu = inputs(lens, H, rng("cu-forms"))
+    args = [x.detach() for x in (*leaves, g, beta)]
+    want = chunk_kda(*args, cu_seqlens=cu, initial_state=h0.detach(), output_final_state=True)
+    for kw in (dict(cu_seqlens=cu.long()), dict(cu_seqlens=cu.cuda()), dict(cu_seqlens=cu.long().cuda()),
+               dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)):
+        got = chunk_kda(*args, initial_state=h0.detach(), output_final_state=True, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
+
+
+def test_cu_seqlens_errors_name_the_argument():
+    leaves, g, beta, h0, cu = inputs([10, 20], 1, rng("cu-errors"))
+    args = [x.detach() for x in (*leaves, g, beta)]
+    with pytest.raises(ValueError, match="cu_seqlens: must be non-decreasing"):
+        chunk_kda(*args, cu_seqlens=torch.tensor([0, 20, 10, 30]))
+    with pytest.raises(ValueError, match="cu_seqlens_cpu: expected a CPU tensor"):
+        chunk_kda(*args, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu.cuda())
+    with pytest.raises(ValueError, match="cu_seqlens_cpu: give cu_seqlens too"):
+        chunk_kda(*args, cu_seqlens_cpu=cu)
+    with pytest.raises(ValueError, match=r"initial_state: expected shape \[2, 1, 128, 128\]"):
+        chunk_kda(*args, cu_seqlens=cu, initial_state=h0.detach()[:1])
+
+
+# ------------------------------------------------------------------------------ compile
+
+def _b3_step(m, xs, g, beta, cu):
+    o, s = m(*xs, g, beta, cu_seqlens=cu, output_final_state=True)
+    return o.float().sum() + s.sum(), o
+
+
+def _module_and_inputs(mode, tag):
+    H, lens = 4, [700, 1, 64, 0, 300]
+    T, D = sum(lens), H * 128
+    gen = rng(tag)
+    torch.manual_seed(7)
+    m = PackedKDA(H, 128, conv_bias=True, backward=mode).cuda()
+    assert m.backend == "auto"
+    xs = [torch.randn(1, T, D, device="cuda", generator=gen).to(BF).requires_grad_() for _ in range(3)]
+    g = -5 * torch.rand(1, T, H, 128, device="cuda", generator=gen)
+    beta = torch.rand(1, T, H, device="cuda", generator=gen).to(BF)
+    return m, xs, g, beta, torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+
+
+def _run(fn, m, xs, g, beta, cu):
+    for t in xs + list(m.parameters()):
+        t.grad = None
+    loss, o = fn(m, xs, g, beta, cu)
+    loss.backward()
+    return [o.detach().clone()] + [t.grad.clone() for t in xs + list(m.parameters())]
+
+
+@pytest.mark.parametrize("mode", ["replay", "saved"])
+def test_compiled_step_is_bitwise_eager(mode):
+    """torch.compile(fullgraph=True) of a B3 step (PackedKDA on the kernels: conv + fused norm, KDA,
+    a sum loss): one graph, and the output and every gradient bitwise the eager step's."""
+    torch._dynamo.reset()
+    m, xs, g, beta, cu = _module_and_inputs(mode, ("compile", mode))
+    eager = _run(_b3_step, m, xs, g, beta, cu)
+    compiled = torch.compile(_b3_step, fullgraph=True)
+    for _ in range(2):
+        got = _run(compiled, m, xs, g, beta, cu)
+        for a, b in zip(eager, got):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["replay", "saved"])
+def test_reduce_overhead_replays_bitwise(mode):
+    """mode="reduce-overhead": the step is captured as CUDA graphs (no cudagraph skip) and its replays
+    are bitwise the eager step."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    m, xs, g, beta, cu = _module_and_inputs(mode, ("graphs", mode))
+    eager = _run(_b3_step, m, xs, g, beta, cu)
+    compiled = torch.compile(_b3_step, fullgraph=True, mode="reduce-overhead")
+    for _ in range(4):
+        got = _run(compiled, m, xs, g, beta, cu)
+        for a, b in zip(eager, got):
+            assert torch.equal(a, b)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
