@@ -19,7 +19,7 @@ from torch import Tensor
 from . import kda
 from .kda import HEAD_DIM, MAX_HEADS
 from .norm import l2norm
-from .packing import CHUNK
+from .packing import CHUNK, PLANNED_FROM_HOST
 
 BACKWARD_MODES = ("replay", "saved")
 # The saved context of backward="saved": the chunk stage's and the forward walk's outputs that the
@@ -95,7 +95,7 @@ def _fake_forward(q, initial_state, cu_seqlens, output_final_state, save):
     return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED))
 
 
-@torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=())
+@torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, output_final_state: bool) -> tuple[Tensor, Tensor]:
     """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
@@ -107,7 +107,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
     return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=False)
 
 
-@torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=())
+@torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -143,7 +143,7 @@ def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state):
             torch.empty_like(beta), dh0)
 
 
-@torch.library.custom_op("kda_aot::chunk_kda_bwd", mutates_args=())
+@torch.library.custom_op("kda_aot::chunk_kda_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor]
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -170,7 +170,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state):
     return _fake_backward(q, k, v, g, beta, initial_state)
 
 
-@torch.library.custom_op("kda_aot::chunk_kda_bwd_saved", mutates_args=())
+@torch.library.custom_op("kda_aot::chunk_kda_bwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,

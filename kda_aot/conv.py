@@ -13,7 +13,7 @@ import torch
 
 from . import registry
 from ._tensor import describe, out_or, stream_of
-from .packing import pack_tables
+from .packing import PLANNED_FROM_HOST, pack_tables
 
 WIDTH = 4
 
@@ -86,7 +86,7 @@ def _segments(x, halo, cu_seqlens):
     return tables, tables.segment_rows(None if halo is None else halo.contiguous())
 
 
-@torch.library.custom_op("kda_aot::causal_conv1d_silu_fwd", mutates_args=())
+@torch.library.custom_op("kda_aot::causal_conv1d_silu_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def conv1d_silu_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], halo: Optional[torch.Tensor],
                        cu_seqlens: torch.Tensor, form: str) -> torch.Tensor:
     tables, halo = _segments(x, halo, cu_seqlens)
@@ -98,7 +98,7 @@ def _(x, weight, bias, halo, cu_seqlens, form):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("kda_aot::causal_conv1d_silu_bwd", mutates_args=())
+@torch.library.custom_op("kda_aot::causal_conv1d_silu_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def conv1d_silu_bwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], halo: Optional[torch.Tensor],
                        cu_seqlens: torch.Tensor, dy: torch.Tensor, form: str, need_dhalo: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,17 +107,15 @@ def conv1d_silu_bwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     dx, dw, db, dh = conv1d_silu_backward(x.contiguous(), _f32(weight), _f32(bias), tables.cu,
                                           dy.to(x.dtype).contiguous(), seg_halo,
                                           need_dhalo=need_dhalo and halo is not None, form=form)
-    none = x.new_empty((0,))
-    return (dx, dw.to(weight.dtype), none if db is None else db.to(bias.dtype),
-            none if dh is None else tables.document_rows(dh).to(halo.dtype))
+    return (dx, dw.to(weight.dtype), x.new_empty((0,)) if db is None else db.to(bias.dtype),
+            x.new_empty((0,)) if dh is None else tables.document_rows(dh).to(halo.dtype))
 
 
 @conv1d_silu_bwd_op.register_fake
 def _(x, weight, bias, halo, cu_seqlens, dy, form, need_dhalo):
-    none = x.new_empty((0,))
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
-            none if bias is None else bias.new_empty(bias.shape),
-            halo.new_empty(halo.shape) if need_dhalo and halo is not None else none)
+            x.new_empty((0,)) if bias is None else bias.new_empty(bias.shape),
+            halo.new_empty(halo.shape) if need_dhalo and halo is not None else x.new_empty((0,)))
 
 
 def _setup_context(ctx, inputs, output):

@@ -17,6 +17,12 @@ from ._tensor import check_cu_seqlens
 
 CHUNK = 64  # tokens per chunk; a chunk never crosses a segment, a segment's last chunk may be short
 
+# The tags of the ops that read cu_seqlens' values on the host (their launches are planned from them):
+# a CUDA graph would replay one pack's launches for any other, so torch.compile's CUDA graphs
+# (mode="reduce-overhead") run these ops between their graphs. A whole step captured by the caller
+# (torch.cuda.graph) on one pack replays that pack.
+PLANNED_FROM_HOST = (torch.Tag.cudagraph_unsafe,)
+
 
 def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:
     """Chunks of every segment in packed order: flat [(first token, end token), ...] and the first

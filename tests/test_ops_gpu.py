@@ -245,17 +245,21 @@ def test_compiled_step_is_bitwise_eager(mode):
 
 
 @pytest.mark.parametrize("mode", ["replay", "saved"])
-def test_reduce_overhead_replays_bitwise(mode):
-    """mode="reduce-overhead": the step is captured as CUDA graphs (no cudagraph skip) and its replays
-    are bitwise the eager step."""
+def test_reduce_overhead_replays_bitwise_on_every_pack(mode):
+    """mode="reduce-overhead": inductor's kernels replay as CUDA graphs, the ops planned from cu_seqlens
+    run between them (kda_aot.packing.PLANNED_FROM_HOST), no cudagraph skip; every step is bitwise the
+    eager step, also after the pack changes under the same shapes (a graph of one pack's launches
+    would replay them for the other)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     m, xs, g, beta, cu = _module_and_inputs(mode, ("graphs", mode))
-    eager = _run(_b3_step, m, xs, g, beta, cu)
+    other = torch.tensor([0, 3, 600, 700, 1065, sum(cu.diff().tolist())], dtype=torch.int32)
+    assert other.shape == cu.shape and other[-1] == cu[-1]
+    eager = {id(c): _run(_b3_step, m, xs, g, beta, c) for c in (cu, other)}
     compiled = torch.compile(_b3_step, fullgraph=True, mode="reduce-overhead")
-    for _ in range(4):
-        got = _run(compiled, m, xs, g, beta, cu)
-        for a, b in zip(eager, got):
+    for c in (cu, cu, other, cu, other, other):
+        got = _run(compiled, m, xs, g, beta, c)
+        for a, b in zip(eager[id(c)], got):
             assert torch.equal(a, b)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

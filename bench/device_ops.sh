@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call (nvidia-h200): the op layer as training code calls it, then the GPU test files.
+#   1. build in place (test records too; carry build/obj to skip the kernel units' compile)
+#   2. tests/test_ops_gpu.py (opcheck, compile / reduce-overhead bitwise, losses, views, padding)
+#   3. bench/compile_step.py: a Q1 B3 step eager vs compiled vs reduce-overhead (rows into $OUT)
+#   4. the other single-GPU test files, as far as the deadline allows
+# Env: OPS_S (deadline, default 560 s), COMPILE_HEADS (default 32), TESTS (the files of step 4).
+source "$(dirname "$0")/device_env.sh"
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+DEADLINE=$(( t0 + ${OPS_S:-560} ))
+cap() { local left=$(( DEADLINE - $(date +%s) - 5 )); [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
+W=$(mktemp -d)
+finish() { cp "$W"/*.jsonl "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$W" .; }
+trap finish EXIT
+KDA_AOT_TEST_RECORDS=1 KDA_AOT_JOBS=16 python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
+stamp build
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+timeout -s INT -k 15 $(cap 200) python3 -X faulthandler -m pytest -q -rs -x --durations=10 tests/test_ops_gpu.py \
+  > "$W/pytest_ops.log" 2>&1
+stamp "ops tests: $(tail -1 "$W/pytest_ops.log")"
+grep -E "^(FAILED|ERROR)|Error|assert" "$W/pytest_ops.log" | head -20
+timeout $(cap 200) python3 bench/compile_step.py --heads "${COMPILE_HEADS:-32}" --out "$W" > "$W/compile.log" 2>&1
+stamp "compile step rc $?"; tail -6 "$W/compile.log"
+timeout -s INT -k 15 $(cap 400) python3 -X faulthandler -m pytest -q -rs --durations=10 \
+  ${TESTS:-tests/test_kda_fwd_gpu.py tests/test_graph_gpu.py tests/test_nn.py tests/test_l2norm.py tests/test_conv_gpu.py tests/test_kda_bwd_gpu.py tests/test_cp_cuda.py} \
+  > "$W/pytest.log" 2>&1
+stamp "tests: $(tail -1 "$W/pytest.log")"
+grep -E "^(FAILED|ERROR)" "$W/pytest.log" | head -20
