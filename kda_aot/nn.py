@@ -18,8 +18,8 @@ from torch import nn
 
 from . import reference, registry
 from .cp.backends import ReferenceBackend
-from .cp.exchange import post_agreement
-from .cp.halo import CudaConv, ReferenceConv, conv1d_silu_cp, conv_facts
+from .cp.exchange import resolve_group
+from .cp.halo import CudaConv, ReferenceConv, _conv_cp, conv_facts
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_facts
 from .cp.plan import CPPlan
 from .norm import WIDTH, l2norm_torch
@@ -124,15 +124,14 @@ class PackedKDA(nn.Module):
         [1, T, H, head_dim]: fp32 (fp64 for fp64 inputs) on the reference backend, the input
         dtype on the CUDA backend."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
-        agreement = None
         if plan is not None:
-            facts, problem = conv_facts([q, k, v], plan)
-            agreement = post_agreement("PackedKDA.conv_qkv", plan, group, facts, problem, q)
-        return self._conv_qkv(q, k, v, cu_seqlens, plan, agreement, resolve_backend(self.backend, q))
+            conv_facts([q, k, v], plan)
+            group, _, _ = resolve_group(group)
+        return self._conv_qkv(q, k, v, cu_seqlens, plan, group, resolve_backend(self.backend, q))
 
-    def _conv_qkv(self, q, k, v, cu_seqlens, plan, agreement, backend):
-        """conv_qkv with the ranks' agreement posted (under CP: the tails gathered before it is read, then
-        one all_gather each way for the three halos)."""
+    def _conv_qkv(self, q, k, v, cu_seqlens, plan, group, backend, kda=None, op="PackedKDA.conv_qkv"):
+        """conv_qkv (under CP: the agreement check, with the facts of the KDA call `kda` when given, then one
+        all_gather each way for the three halos)."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
         weights = [getattr(self, f"{name}_conv_weight") for name in "qkv"]
         biases = [getattr(self, f"{name}_conv_bias") for name in "qkv"]
@@ -142,7 +141,8 @@ class PackedKDA(nn.Module):
             out = [conv(x, w, b, cu_seqlens, fused and name != "v")
                    for x, w, b, name in zip((q, k, v), weights, biases, "qkv")]
         else:
-            out = conv1d_silu_cp([q, k, v], weights, biases, plan=plan, conv=cp_conv, agreement=agreement)
+            convs = cp_conv if isinstance(cp_conv, list) else [cp_conv] * 3
+            out = _conv_cp([q, k, v], weights, biases, plan, group, convs, op, kda)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
         if self.qk_l2norm and not fused:  # else normalised in the conv's pass (PyTorch's took ~60 ms of B3 on Q1)
             qc, kc = l2norm_torch(qc), l2norm_torch(kc)
@@ -191,12 +191,12 @@ class PackedKDA(nn.Module):
         else:
             backend = ReferenceBackend(torch.float64 if q.dtype == torch.float64 else torch.float32)
         heads = [x.reshape(1, T, H, Dh) for x in (q, k, v)]  # the shapes KDA gets (views: nothing computed)
-        backend, facts, problem, scale = kda_facts(*heads, g, beta, initial_state, plan, scale, self.backward_mode,
-                                                   backend)
-        conv_known, conv_problem = conv_facts([q, k, v], plan)
-        agreement = post_agreement("PackedKDA", plan, group, {**conv_known, **facts}, conv_problem or problem, q)
-        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, agreement, name)
-        o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=agreement.group, scale=scale,
+        backend, _, _, scale = kda_facts(*heads, g, beta, initial_state, plan, scale, self.backward_mode, backend)
+        conv_facts([q, k, v], plan)
+        group, _, _ = resolve_group(group)
+        qc, kc, vc = self._conv_qkv(q, k, v, None, plan, group, name,
+                                    (g, beta, initial_state, scale, self.backward_mode, backend), "PackedKDA")
+        o, final = chunk_kda_cp_agreed(qc, kc, vc, g, beta, plan=plan, group=group, scale=scale,
                                        initial_state=initial_state, output_final_state=output_final_state,
                                        backward=self.backward_mode, backend=backend)
         return o.to(q.dtype), final

@@ -21,6 +21,7 @@ Public functions
     kda_chunked_bwd        explicit chunked backward (no autograd): walk -> dS tape -> chunk_bwd
     kda_bwd_state_walk, chunk_bwd, kda_bwd_dvp_local   its stages, as the kernels split them
     conv1d_silu        width-4 causal depthwise conv + SiLU over packed documents, with halo
+    conv1d_silu_bwd    its backward written out (no autograd)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "kda_bwd_state_walk",
     "chunk_bwd",
     "conv1d_silu",
+    "conv1d_silu_bwd",
     "CONV_WIDTH",
 ]
 
@@ -263,6 +265,41 @@ def conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
             acc = acc + bias
         ys.append(torch.nn.functional.silu(acc))
     return torch.cat(ys, dim=0)[None]
+
+
+def conv1d_silu_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dy: torch.Tensor, *,
+                    cu_seqlens: CuSeqlens, halo: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float64):
+    """conv1d_silu's backward written out (no autograd): (dx [1, T, D], dweight [D, 4], dbias [D] or None,
+    dhalo [N, 3, D] or None), all in `dtype`. Per document, with xp = [halo or 0; x] and
+    a_t = bias + sum_j w_j xp_{t+j}: da = dy silu'(a), dw_j = sum_t da_t xp_{t+j}, dxp_{t+j} += w_j da_t."""
+    T, D = x.shape[1], x.shape[2]
+    W = CONV_WIDTH
+    cu = _bounds(cu_seqlens, T)
+    x, weight, dy = x.to(dtype), weight.to(dtype), dy.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    dx = torch.zeros(T, D, dtype=dtype, device=x.device)
+    dw = torch.zeros(D, W, dtype=dtype, device=x.device)
+    db = None if bias is None else torch.zeros(D, dtype=dtype, device=x.device)
+    dhalo = None if halo is None else torch.zeros(len(cu) - 1, W - 1, D, dtype=dtype, device=x.device)
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        pre = (torch.zeros(W - 1, D, dtype=dtype, device=x.device) if halo is None else halo[n].to(dtype))
+        xp = torch.cat([pre, x[0, a:b]], dim=0)
+        L = b - a
+        acc = sum(weight[:, j] * xp[j:j + L] for j in range(W))
+        if bias is not None:
+            acc = acc + bias
+        sig = torch.sigmoid(acc)
+        da = dy[0, a:b] * sig * (1 + acc * (1 - sig))
+        dxp = torch.zeros(L + W - 1, D, dtype=dtype, device=x.device)
+        for j in range(W):
+            dw[:, j] += (da * xp[j:j + L]).sum(0)
+            dxp[j:j + L] += weight[:, j] * da
+        if db is not None:
+            db += da.sum(0)
+        dx[a:b] = dxp[W - 1:]
+        if dhalo is not None:
+            dhalo[n] = dxp[:W - 1]
+    return dx[None], dw, db, dhalo
 
 
 # ============================================================================ KDA explicit backward

@@ -208,4 +208,55 @@ def _run_error(rank, case):
     return {"raised": got, "after": int(t)}
 
 
-RUNNERS = {"op": _run_op, "module": _run_module, "conv": _run_conv, "error": _run_error}
+def _run_compiled(rank, case):
+    """A CP training step under torch.compile(fullgraph=True, backend=case["compiler"]) against eager:
+    chunk_kda_cp alone and PackedKDA (conv + halo + KDA), both backward modes, output and every gradient
+    bitwise. Returns {"bitwise": {what: bool}}."""
+    import torch._dynamo
+    plan = cp.make_plan(case["cu"], case["layout"], group=dist.group.WORLD)
+    x, (xm, sd) = case["inputs"], case["module_inputs"]
+
+    def op_step(q, k, v, g, beta, h0, wo, ws, mode):
+        o, s = cp.chunk_kda_cp(q, k, v, g, beta, plan=plan, initial_state=h0, output_final_state=True, backward=mode)
+        return (o * wo).sum() + (s * ws).sum(), o
+
+    def module_step(m, q, k, v, g, beta, wo):
+        o, _ = m(q, k, v, g, beta, plan=plan)
+        return (o * wo).sum(), o
+
+    def run(step, leaves, *rest):
+        for t in leaves:
+            t.grad = None
+        loss, o = step(*leaves, *rest)
+        loss.backward()
+        return [o.detach().clone()] + [t.grad.clone() for t in leaves]
+
+    out = {}
+    for mode in ("replay", "saved"):
+        torch._dynamo.reset()
+        leaves = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")] + [_leaf(x["h0"])]
+        rest = (plan.shard(x["wo"]), x["ws"], mode)
+        compiled = torch.compile(op_step, fullgraph=True, backend=case["compiler"])
+        eager = run(op_step, leaves, *rest)
+        got = run(compiled, leaves, *rest)
+        out[f"op/{mode}"] = all(torch.equal(a, b) for a, b in zip(eager, got))
+        m = PackedKDA(case["H"], case["head_dim"], conv_bias=True, backward=mode)
+        m.load_state_dict(sd)
+        loc = [_leaf(plan.shard(xm[n])) for n in ("q", "k", "v", "g", "beta")]
+        params = list(m.parameters())
+        wo = plan.shard(xm["wo"])
+
+        def mstep(*ts):
+            return module_step(m, *ts[:5], wo)
+        eager, got = [], []
+        for fn, into in ((mstep, eager), (torch.compile(mstep, fullgraph=True, backend=case["compiler"]), got)):
+            for t in loc + params:
+                t.grad = None
+            loss, o = fn(*loc)
+            loss.backward()
+            into += [o.detach().clone()] + [t.grad.clone() for t in loc + params]
+        out[f"module/{mode}"] = all(torch.equal(a, b) for a, b in zip(eager, got))
+    return {"bitwise": out}
+
+
+RUNNERS = {"op": _run_op, "module": _run_module, "conv": _run_conv, "error": _run_error, "compiled": _run_compiled}

@@ -189,6 +189,11 @@ def cases_for(W):
             cases.append({"kind": "op", "name": f"op64/{layout}/{pack}", "layout": layout,
                           "cu": cu_of(PACKS[pack]), "inputs": kda_inputs(pack, torch.float64),
                           "state_dtype": torch.float64, "modes": ["replay"]})
+    if W == 2:
+        for layout in LAYOUTS:
+            cases.append({"kind": "compiled", "name": f"compiled/{layout}", "layout": layout, "compiler": "aot_eager",
+                          "cu": cu_of(PACKS["mixed"]), "inputs": kda_inputs("mixed", torch.float32),
+                          "module_inputs": module_inputs("mixed"), "H": H, "head_dim": K})
     if W in ERROR_WORLDS:
         for variant in ERROR_VARIANTS:
             cases.append({"kind": "error", "name": f"error/{variant}", "variant": variant,
@@ -387,7 +392,8 @@ def test_sensitivity():
 
 def test_world_size_one_in_process(tmp_path):
     """W = 1 in this process: the plan is the single-device segmentation, so CP is bitwise the
-    single-device reference (same chunks, same states), and the collectives are trivial."""
+    single-device reference (same chunks, same states; the reference backend's backward is the
+    written-out one, reference.kda_chunked_bwd), and the collectives are trivial."""
     import datetime
     import torch.distributed as dist
     assert not dist.is_initialized()
@@ -404,8 +410,13 @@ def test_world_size_one_in_process(tmp_path):
             want = kda_expected("mixed", torch.float32)
             assert torch.equal(o, want["o"]) and torch.equal(s, want["final"])
             ((o * x["wo"]).sum() + (s * x["ws"]).sum()).backward()
-            for n, t in zip(("q", "k", "v", "g", "beta"), leaves):
-                assert torch.equal(t.grad, want["d" + n]), n
+            inputs = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
+            saved = reference.kda_chunked_fwd_saved(*inputs.values(), cu_seqlens=cu_of(PACKS["mixed"]),
+                                                    initial_state=x["h0"], dtype=torch.float32)
+            explicit = reference.kda_chunked_bwd(saved, x["wo"], x["ws"], **inputs)
+            for n, t, g in zip(("q", "k", "v", "g", "beta"), leaves, explicit):
+                assert torch.equal(t.grad, g), n
+                assert rel_err(t.grad, want["d" + n]) < REL_BOUND, n  # and autograd's within fp32 rounding
             assert torch.equal(cp.gather(o, plan), o)
             # the module: its CP path (zero halos, one fragment per document) is bitwise its
             # single-device path
@@ -456,3 +467,11 @@ def test_zz_report_measured_errors():
             worst[(kind, key)] = (e, W, layout, pack)
     for (kind, key), (e, W, layout, pack) in sorted(worst.items()):
         print(f"[test_cp_gloo] max rel err {kind:7s} {key:18s} {e:.2e}  (W={W} {layout} {pack})")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_steps_are_bitwise_eager(layout):
+    """torch.compile(fullgraph=True) of a CP step on two ranks (chunk_kda_cp alone and PackedKDA with its
+    halo exchange, both backward modes): one graph through the CP custom ops, bitwise the eager step."""
+    for r, out in enumerate(results(2, f"compiled/{layout}")):
+        assert all(out["bitwise"].values()), f"rank {r}: {out['bitwise']} (seed {SEED})"

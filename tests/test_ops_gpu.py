@@ -209,8 +209,8 @@ def _b3_step(m, xs, g, beta, cu):
     return o.float().sum() + s.sum(), o
 
 
-def _module_and_inputs(mode, tag):
-    H, lens = 4, [700, 1, 64, 0, 300]
+def _module_and_inputs(mode, tag, lens=(700, 1, 64, 0, 300)):
+    H = 4
     T, D = sum(lens), H * 128
     gen = rng(tag)
     torch.manual_seed(7)
@@ -263,3 +263,31 @@ def test_reduce_overhead_replays_bitwise_on_every_pack(mode):
         for a, b in zip(eager[id(c)], got):
             assert torch.equal(a, b)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "doc_zigzag"])
+def test_compiled_cp_step_on_one_gpu_is_bitwise_eager(tmp_path, layout):
+    """The CP path on the kernels (a one-rank NCCL group: the plan is the single-device segmentation, the
+    exchanges trivial) under torch.compile(fullgraph=True): PackedKDA's conv + halo + CP KDA, both modes,
+    bitwise the eager step."""
+    import datetime
+    import torch.distributed as dist
+    from kda_aot import cp
+    assert not dist.is_initialized()
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for mode in ("replay", "saved"):
+            torch._dynamo.reset()
+            m, xs, g, beta, cu = _module_and_inputs(mode, ("cp-compile", layout, mode), lens=(700, 1, 64, 300))
+            plan = cp.make_plan(cu, layout, group=dist.group.WORLD)
+
+            def step(m, xs, g, beta, cu):
+                o, _ = m(*xs, g, beta, plan=plan)
+                return o.float().sum(), o
+            eager = _run(step, m, xs, g, beta, cu)
+            got = _run(torch.compile(step, fullgraph=True), m, xs, g, beta, cu)
+            for a, b in zip(eager, got):
+                assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()

@@ -250,3 +250,23 @@ def test_fp32_bwd_finite_with_g_neg5(gen, K, g_mode, monkeypatch):
     _, ref64 = explicit_grads(*(x.double() for x in (q, k, v, g, beta, h0, do, dfs)), lens,
                               chunk_size=64)
     check_grads(mine, ref64, f"seed {SEED} fp32 vs fp64", tol=REL_FP32)
+
+
+@pytest.mark.parametrize("with_halo", [False, True])
+def test_conv_backward_matches_autograd(gen, with_halo):
+    """reference.conv1d_silu_bwd (written out) against autograd through reference.conv1d_silu, with
+    documents shorter than the window and a zero-length one."""
+    lens, D = [2, 15, 0, 23], 8
+    T = sum(lens)
+    x = torch.randn(1, T, D, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.randn(D, 4, generator=gen, dtype=F64, requires_grad=True)
+    b = torch.randn(D, generator=gen, dtype=F64, requires_grad=True)
+    halo = torch.randn(len(lens), 3, D, generator=gen, dtype=F64, requires_grad=True) if with_halo else None
+    dy = torch.randn(1, T, D, generator=gen, dtype=F64)
+    leaves = [x, w, b] + ([halo] if with_halo else [])
+    y = ref.conv1d_silu(x, w, b, cu_seqlens=cu_of(lens), halo=halo)
+    want = torch.autograd.grad(y, leaves, dy)
+    got = ref.conv1d_silu_bwd(x, w, b, dy, cu_seqlens=cu_of(lens), halo=halo)
+    assert (got[3] is None) == (not with_halo)
+    for a, r in zip(got, want):
+        assert rel_err(a, r) < REL_FP64

@@ -60,8 +60,9 @@ __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
 
 class ReferenceBackend:
-    """kda_aot.reference in `dtype` (fp32 by default, like the kernels; fp64 for tight tests).
-    The backward is autograd through reference.kda_chunked."""
+    """kda_aot.reference in `dtype` (fp32 by default, like the kernels; fp64 for tight tests). The
+    backward is the reference's written-out chunked backward (no autograd: it runs inside the CP
+    custom ops, below autograd)."""
     name = "reference"
 
     def __init__(self, dtype: torch.dtype = torch.float32, chunk_size: int = 64):
@@ -74,6 +75,11 @@ class ReferenceBackend:
     def state_dtype(self) -> torch.dtype:
         return self.dtype
 
+    @property
+    def spec(self) -> str:
+        """What get_backend rebuilds this backend from (the CP custom ops take it as a string)."""
+        return f"reference:{str(self.dtype).replace('torch.', '')}:{self.chunk_size}"
+
     def __repr__(self):
         return f"ReferenceBackend(dtype={self.dtype}, chunk_size={self.chunk_size})"
 
@@ -83,20 +89,14 @@ class ReferenceBackend:
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
                 scale: float, keep: bool):
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_(keep) for x in (q, k, v, g, beta, states)]
-            o, finals = reference.kda_chunked(*inputs[:5], cu_seqlens=list(cu_local), scale=scale,
-                                              initial_state=inputs[5], output_final_state=True,
-                                              chunk_size=self.chunk_size, dtype=self.dtype)
-        ctx = (inputs, o, finals) if keep else None
-        return o.detach(), finals.detach(), ctx
+        saved = reference.kda_chunked_fwd_saved(q, k, v, g, beta, cu_seqlens=list(cu_local), scale=scale,
+                                                initial_state=states, chunk_size=self.chunk_size, dtype=self.dtype)
+        ctx = (saved, (q, k, v, g, beta)) if keep else None
+        return saved["o"], saved["final_state"], ctx
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
-        inputs, o, finals = ctx
-        grads = torch.autograd.grad((o, finals), inputs,
-                                    (do.to(self.dtype), dfinals.to(self.dtype)),
-                                    retain_graph=True, allow_unused=True)
-        return tuple(torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads))
+        saved, (q, k, v, g, beta) = ctx
+        return reference.kda_chunked_bwd(saved, do, dfinals, q=q, k=k, v=v, g=g, beta=beta)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         return self.backward(ctx, do, dfinals)[5]
@@ -108,6 +108,7 @@ class CudaBackend:
     the tape; backward = the backward kernels on that saved context (reusable: it is read only).
     States fp32; q, k, v, dO bf16."""
     name = "cuda"
+    spec = "cuda"
     state_dtype = torch.float32
 
     def __repr__(self):
@@ -251,6 +252,9 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
         from ..registry import serves
         backend = "cuda" if isinstance(like, torch.Tensor) and serves(like.device) else "reference"
     if isinstance(backend, str):
+        if backend.startswith("reference:"):  # a ReferenceBackend's spec
+            _, name, chunk = backend.split(":")
+            return ReferenceBackend(getattr(torch, name), int(chunk))
         if backend == "reference":
             return ReferenceBackend(dtype or torch.float32)
         if backend == "cuda":
@@ -259,7 +263,7 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
             return CudaBackend()
         raise ValueError(f"unknown backend {backend!r}: valid backends are 'auto', 'reference', 'cuda' "
                          f"(or a backend object, see kda_aot.cp.backends)")
-    for attr in ("summary", "forward", "backward", "state_dtype", "name"):
+    for attr in ("summary", "forward", "backward", "state_dtype", "name", "spec"):
         if not hasattr(backend, attr):
             raise TypeError(f"backend object {backend!r} lacks {attr!r} (see kda_aot.cp.backends)")
     return backend

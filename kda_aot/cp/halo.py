@@ -22,11 +22,12 @@ import itertools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .._tensor import host_table_to
+from ..packing import PLANNED_FROM_HOST
 from ..reference import CONV_WIDTH
-from .exchange import Agreement, exchange_flat, payload_layout, post_agreement
+from . import keys
+from .exchange import exchange_flat, payload_layout, post_agreement, resolve_group
 from .plan import CPPlan, Fragment
 
 __all__ = ["conv_halo", "conv1d_silu_cp", "ReferenceConv", "CudaConv", "conv_facts"]
@@ -181,6 +182,11 @@ class ReferenceConv:
     def __init__(self, dtype: Optional[torch.dtype] = None):
         self.dtype = dtype
 
+    @property
+    def spec(self) -> str:
+        """What conv_of rebuilds this conv from (the CP custom ops take it as a string)."""
+        return "reference" if self.dtype is None else f"reference:{str(self.dtype).replace('torch.', '')}"
+
     def out_dtype(self, x: torch.Tensor) -> torch.dtype:
         return self.dtype or x.dtype
 
@@ -189,13 +195,10 @@ class ReferenceConv:
         return conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, halo=halo, dtype=self.out_dtype(x))
 
     def backward(self, x, w, b, cu_seqlens, halo, dy):
-        """(dx, dw, db or None, dhalo)."""
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (x, w, halo)]
-            bias = None if b is None else b.detach().requires_grad_()
-            y = self.forward(leaves[0], leaves[1], bias, cu_seqlens, leaves[2])
-            grads = torch.autograd.grad(y, leaves + ([bias] if bias is not None else []), dy)
-        return grads[0], grads[1], (grads[3] if bias is not None else None), grads[2]
+        """(dx, dw, db or None, dhalo) in the dtypes of x, w, b and halo (reference.conv1d_silu_bwd)."""
+        from ..reference import conv1d_silu_bwd
+        dx, dw, db, dhalo = conv1d_silu_bwd(x, w, b, dy, cu_seqlens=cu_seqlens, halo=halo, dtype=self.out_dtype(x))
+        return dx.to(x.dtype), dw.to(w.dtype), None if db is None else db.to(b.dtype), dhalo.to(halo.dtype)
 
 
 class CudaConv:
@@ -204,6 +207,10 @@ class CudaConv:
 
     def __init__(self, l2norm: bool = False):
         self.l2norm = l2norm
+
+    @property
+    def spec(self) -> str:
+        return "cuda:l2norm" if self.l2norm else "cuda"
 
     def out_dtype(self, x: torch.Tensor) -> torch.dtype:
         return x.dtype
@@ -226,46 +233,131 @@ def _host_bounds(cu_seqlens) -> torch.Tensor:
     return cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens, dtype=torch.int32)
 
 
-class _ConvSiluCP(torch.autograd.Function):
-    """y_i = conv(x_i, w_i, b_i, local segments, halo_i) for i = 1..n, the halos in one exchange each way."""
+def conv_of(spec: str):
+    """A conv op object from its spec (ReferenceConv.spec, CudaConv.spec)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "reference":
+        return ReferenceConv(getattr(torch, arg) if arg else None)
+    if kind == "cuda":
+        return CudaConv(l2norm=arg == "l2norm")
+    raise ValueError(f"unknown conv {spec!r}: expected 'reference', 'cuda' or a conv object with a spec")
 
-    @staticmethod
-    def forward(ctx, plan: CPPlan, group, convs, n: int, tails, *tensors):
-        xs, ws, bs = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
-        halos = _halos(plan, group, xs, tails)
-        if plan.local_fragments:
-            ys = [conv.forward(x, w, b, plan.local_cu_seqlens, h) for conv, x, w, b, h in zip(convs, xs, ws, bs, halos)]
-        else:  # no token here: empty outputs, and the backward still joins the collective
-            ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(convs, xs)]
-        ctx.cfg = (plan, group, convs, n)
-        ctx.save_for_backward(*xs, *ws, *bs, *halos)
-        return tuple(ys)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        plan, group, convs, n = ctx.cfg
-        saved = ctx.saved_tensors
-        xs, ws, bs, halos = (saved[i * n:(i + 1) * n] for i in range(4))
-        if plan.local_fragments:
-            parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
-                     for conv, x, w, b, h, dy in zip(convs, xs, ws, bs, halos, dys)]
-        else:
-            parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
-                     for x, w, b, h in zip(xs, ws, bs, halos)]
-        # the halo gradients travel in fp32 at least and are added to the dx rows once, then rounded
-        dhalos = [p[3].to(torch.promote_types(p[3].dtype, torch.float32)) for p in parts]
-        back = _returned_halo_grads(plan, group, dhalos, [x.shape[-1] for x in xs], like=xs[0])
-        dxs = [p[0] for p in parts]
-        if back is not None:
-            rows, grads = back
-            first = 0
-            for dx in dxs:
-                d = dx.shape[-1]
-                add = grads[:, first:first + d]
-                dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
-                first += d
-        return (None, None, None, None, None, *dxs, *[p[1] for p in parts], *[p[2] for p in parts])
+class _ConvContext:
+    """What the CP conv's forward leaves for its backward (kda_aot.cp.keys holds it under the handle)."""
+
+    def __init__(self, plan, group, convs, xs, ws, bs, halos):
+        self.plan, self.group, self.convs = plan, group, convs
+        self.xs, self.ws, self.bs, self.halos = xs, ws, bs, halos
+
+
+def _kda_agreement_facts(xs, kda_g, kda_beta, kda_h0, plan, scale, backward, backend):
+    """The KDA call's facts and this rank's problem, for PackedKDA's one agreement check (its q, k, v are
+    the conv's outputs: the conv's inputs seen in heads)."""
+    from .ops import kda_facts
+    T, H = kda_g.shape[1], kda_g.shape[2]
+    heads = [x.view(1, T, H, x.shape[-1] // H) if x.shape[1] == T and x.shape[-1] % H == 0 else x for x in xs]
+    _, facts, problem, _ = kda_facts(*heads, kda_g, kda_beta, kda_h0, plan, scale, backward, backend)
+    return facts, problem
+
+
+@torch.library.custom_op("kda_aot::conv1d_silu_cp_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
+def conv1d_silu_cp_fwd_op(xs: List[torch.Tensor], weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
+                          plan: str, group: str, convs: str, op: str, kda_g: Optional[torch.Tensor],
+                          kda_beta: Optional[torch.Tensor], kda_h0: Optional[torch.Tensor], kda_scale: float,
+                          kda_backward: str, kda_backend: str) -> List[torch.Tensor]:
+    """Collective: the agreement check (with a KDA call's facts when kda_g is given: PackedKDA's one check),
+    the halos in one exchange, the convs (convs: their specs, comma-separated). Returns [y_1, ..., y_n, the
+    context handle]."""
+    plan_obj, group_obj = keys.plan_of(plan), keys.group_of(group)
+    conv_objs = [conv_of(c) for c in convs.split(",")]
+    facts, problem = conv_facts(xs, plan_obj)
+    if kda_g is not None:
+        kda, kda_problem = _kda_agreement_facts(xs, kda_g, kda_beta, kda_h0, plan_obj, kda_scale, kda_backward,
+                                                kda_backend)
+        facts, problem = {**facts, **kda}, problem or kda_problem
+    agreement = post_agreement(op, plan_obj, group_obj, facts, problem, xs[0])
+    tails = _published_tails(plan_obj, xs) if agreement.locally_ok else None
+    agreement.wait()
+    halos = _halos(plan_obj, group_obj, xs, tails)
+    if plan_obj.local_fragments:
+        ys = [conv.forward(x, w, b, plan_obj.local_cu_seqlens, h)
+              for conv, x, w, b, h in zip(conv_objs, xs, weights, biases, halos)]
+    else:  # no token here: empty outputs, and the backward still joins the collective
+        ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(conv_objs, xs)]
+    return [*ys, keys.stash(_ConvContext(plan_obj, group_obj, conv_objs, xs, weights, biases, halos))]
+
+
+@conv1d_silu_cp_fwd_op.register_fake
+def _(xs, weights, biases, plan, group, convs, op, kda_g, kda_beta, kda_h0, kda_scale, kda_backward, kda_backend):
+    return [*(x.new_empty(x.shape, dtype=conv_of(c).out_dtype(x)) for x, c in zip(xs, convs.split(","))),
+            torch.empty(1, dtype=torch.int64)]
+
+
+@torch.library.custom_op("kda_aot::conv1d_silu_cp_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
+def conv1d_silu_cp_bwd_op(handle: torch.Tensor, xs: List[torch.Tensor], weights: List[torch.Tensor],
+                          biases: List[Optional[torch.Tensor]], dys: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Collective: [dx_1..n, dweight_1..n, dbias_1..n ([0] where there is no bias)] of the forward behind
+    `handle`; the halo gradients return to their owners in one exchange."""
+    ctx = keys.context_of(handle)
+    plan, group = ctx.plan, ctx.group
+    if plan.local_fragments:
+        parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
+                 for conv, x, w, b, h, dy in zip(ctx.convs, ctx.xs, ctx.ws, ctx.bs, ctx.halos, dys)]
+    else:
+        parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
+                 for x, w, b, h in zip(ctx.xs, ctx.ws, ctx.bs, ctx.halos)]
+    # the halo gradients travel in fp32 at least and are added to the dx rows once, then rounded
+    dhalos = [p[3].to(torch.promote_types(p[3].dtype, torch.float32)) for p in parts]
+    back = _returned_halo_grads(plan, group, dhalos, [x.shape[-1] for x in ctx.xs], like=ctx.xs[0])
+    dxs = [p[0] for p in parts]
+    if back is not None:
+        rows, grads = back
+        first = 0
+        for dx in dxs:
+            d = dx.shape[-1]
+            add = grads[:, first:first + d]
+            dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
+            first += d
+    return [*dxs, *(p[1] for p in parts), *(x.new_empty((0,)) if p[2] is None else p[2] for x, p in zip(xs, parts))]
+
+
+@conv1d_silu_cp_bwd_op.register_fake
+def _(handle, xs, weights, biases, dys):
+    return [*(torch.empty_like(x) for x in xs), *(torch.empty_like(w) for w in weights),
+            *(x.new_empty((0,)) if b is None else torch.empty_like(b) for x, b in zip(xs, biases))]
+
+
+def _conv_setup_context(ctx, inputs, output):
+    xs, weights, biases = inputs[:3]
+    ctx.n = len(xs)
+    ctx.has_bias = [b is not None for b in biases]
+    ctx.save_for_backward(output[-1], *xs, *weights, *(b for b in biases if b is not None))
+    ctx.mark_non_differentiable(output[-1])
+
+
+def _conv_backward(ctx, grads):
+    handle, *saved = ctx.saved_tensors
+    n = ctx.n
+    xs, ws, rest = saved[:n], saved[n:2 * n], iter(saved[2 * n:])
+    bs = [next(rest) if has else None for has in ctx.has_bias]
+    dys = [torch.zeros_like(x) if dy is None else dy for x, dy in zip(xs, grads[:n])]
+    out = conv1d_silu_cp_bwd_op(handle, list(xs), list(ws), bs, dys)
+    dbs = [db if has else None for db, has in zip(out[2 * n:], ctx.has_bias)]
+    return (list(out[:n]), list(out[n:2 * n]), dbs) + (None,) * 10
+
+
+conv1d_silu_cp_fwd_op.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+def _conv_cp(xs, weights, biases, plan: CPPlan, group, convs, op: str, kda=None):
+    """The CP conv through its op: the ys. kda: (g, beta, initial_state, scale, backward, backend object) of a
+    KDA call whose facts join this call's agreement check (PackedKDA)."""
+    g, beta, h0, scale, mode, backend = kda if kda is not None else (None, None, None, 0.0, "replay", None)
+    out = conv1d_silu_cp_fwd_op(list(xs), list(weights), list(biases), plan.op_key, group.group_name,
+                                ",".join(c.spec for c in convs), op, g, beta, h0, float(scale), mode,
+                                "" if backend is None else backend.spec)
+    return out[:-1]
 
 
 def conv_facts(xs: Sequence[torch.Tensor], plan: CPPlan) -> Tuple[dict, Optional[str]]:
@@ -295,62 +387,90 @@ def conv_halo(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
     must reach the loss on EVERY rank, including a rank that holds no token (whose halo is
     [0, 3, D]). conv1d_silu_cp is this and the conv in one node (what the module uses).
     """
-    facts, problem = conv_facts([x_local], plan)
-    agreement = post_agreement("conv_halo", plan, group, facts, problem, x_local)
-    tails = _published_tails(plan, [x_local]) if agreement.locally_ok else None
-    group, _, _ = agreement.wait()
-    return _ConvHalo.apply(x_local, tails, plan, group)
+    conv_facts([x_local], plan)  # type errors raise here, on every rank alike
+    group, _, _ = resolve_group(group)
+    return conv_halo_cp_fwd_op(x_local, plan.op_key, group.group_name)
 
 
-class _ConvHalo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tails, plan: CPPlan, group):
-        ctx.cfg = (plan, group, tuple(x.shape))
-        return _halos(plan, group, [x], tails)[0]
-
-    @staticmethod
-    def backward(ctx, dhalo):
-        plan, group, xshape = ctx.cfg
-        dx = dhalo.new_zeros(xshape)
-        back = _returned_halo_grads(plan, group, [dhalo], [xshape[-1]], like=dhalo)
-        if back is not None:
-            rows, grads = back
-            dx[0].index_copy_(0, rows, grads)
-        return dx, None, None, None
+@torch.library.custom_op("kda_aot::conv_halo_cp_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
+def conv_halo_cp_fwd_op(x: torch.Tensor, plan: str, group: str) -> torch.Tensor:
+    """Collective: the agreement check, then the halo [n_local, 3, D] in one exchange."""
+    plan_obj, group_obj = keys.plan_of(plan), keys.group_of(group)
+    facts, problem = conv_facts([x], plan_obj)
+    agreement = post_agreement("conv_halo", plan_obj, group_obj, facts, problem, x)
+    tails = _published_tails(plan_obj, [x]) if agreement.locally_ok else None
+    agreement.wait()
+    return _halos(plan_obj, group_obj, [x], tails)[0]
 
 
-def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="auto",
-                   agreement: Optional[Agreement] = None):
+@conv_halo_cp_fwd_op.register_fake
+def _(x, plan, group):
+    return x.new_empty((len(keys.plan_of(plan).local_fragments), HALO, x.shape[-1]))
+
+
+@torch.library.custom_op("kda_aot::conv_halo_cp_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
+def conv_halo_cp_bwd_op(dhalo: torch.Tensor, x: torch.Tensor, plan: str, group: str) -> torch.Tensor:
+    """Collective: dx (x's shape) of the halo: each halo row's gradient back on its owner's tail token."""
+    plan_obj, group_obj = keys.plan_of(plan), keys.group_of(group)
+    dx = dhalo.new_zeros(x.shape)
+    back = _returned_halo_grads(plan_obj, group_obj, [dhalo], [x.shape[-1]], like=dhalo)
+    if back is not None:
+        rows, grads = back
+        dx[0].index_copy_(0, rows, grads)
+    return dx
+
+
+@conv_halo_cp_bwd_op.register_fake
+def _(dhalo, x, plan, group):
+    return dhalo.new_empty(x.shape)
+
+
+def _halo_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.keys = inputs[1:]
+
+
+def _halo_backward(ctx, dhalo):
+    (x,) = ctx.saved_tensors
+    return conv_halo_cp_bwd_op(dhalo.contiguous(), x, *ctx.keys), None, None
+
+
+conv_halo_cp_fwd_op.register_autograd(_halo_backward, setup_context=_halo_setup_context)
+
+
+def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="auto"):
     """Collective, differentiable: the causal conv1d + SiLU of this rank's tokens under CP.
 
     xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
     weights / biases: one per x ([D, 4], [D] or None). The halos of all of them travel in one
     all_gather, their gradients back in one more. conv: "auto" ("cuda" for bf16 inputs on a GPU the
-    kernels serve, else "reference"), "reference" (kda_aot.reference in x's dtype), "cuda" (the kernels, bf16), an object with forward/backward like ReferenceConv, or a
-    list of such objects, one per x (PackedKDA: CudaConv(l2norm=True) for q and k).
-    Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns empty
-    results that must still reach the loss (the backward is collective).
-    agreement: an agreement the caller posted (post_agreement) with conv_facts(xs, plan) among its
-    facts (PackedKDA: one for its whole call); None: this call posts its own. Either way the tails
-    are gathered on the GPU before the host waits for it.
+    kernels serve, else "reference"), "reference" (kda_aot.reference in x's dtype), "cuda" (the kernels,
+    bf16), a ReferenceConv or CudaConv, or a list of them, one per x (PackedKDA: CudaConv(l2norm=True)
+    for q and k). Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns
+    empty results that must still reach the loss (the backward is collective). The ranks' agreement is
+    checked first, its all_gather posted before the tails are gathered on the GPU and read after.
     """
+    single = isinstance(xs, torch.Tensor)
+    xs, weights, biases, convs = conv_arguments(xs, weights, biases, conv)
+    conv_facts(xs, plan)  # type errors raise here, on every rank alike
+    group, _, _ = resolve_group(group)
+    ys = _conv_cp(xs, weights, biases, plan, group, convs, "conv1d_silu_cp")
+    return ys[0] if single else list(ys)
+
+
+def conv_arguments(xs, weights, biases, conv):
+    """(xs, weights, biases, conv objects) as lists of one entry per x, checked."""
     single = isinstance(xs, torch.Tensor)
     xs = [xs] if single else list(xs)
     weights = [weights] if single else list(weights)
     biases = [biases] if single else list(biases if biases is not None else [None] * len(xs))
     if len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(weights)} weights and {len(biases)} biases")
-    if conv == "auto":
+    if isinstance(conv, str) and conv == "auto":
         from ..registry import serves
         conv = "cuda" if xs[0].dtype == torch.bfloat16 and serves(xs[0].device) else "reference"
-    conv = {"reference": ReferenceConv, "cuda": CudaConv}[conv]() if isinstance(conv, str) else conv
-    convs = tuple(conv) if isinstance(conv, (list, tuple)) else (conv,) * len(xs)
+    conv = conv_of(conv) if isinstance(conv, str) else conv
+    convs = list(conv) if isinstance(conv, (list, tuple)) else [conv] * len(xs)
     if len(convs) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(convs)} conv ops")
-    if agreement is None:
-        facts, problem = conv_facts(xs, plan)
-        agreement = post_agreement("conv1d_silu_cp", plan, group, facts, problem, xs[0])
-    tails = _published_tails(plan, xs) if agreement.locally_ok else None
-    group, _, _ = agreement.wait()
-    ys = _ConvSiluCP.apply(plan, group, convs, len(xs), tails, *xs, *weights, *biases)
-    return ys[0] if single else list(ys)
+    return xs, weights, biases, convs

@@ -28,10 +28,10 @@ import time
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
-
+from ..packing import PLANNED_FROM_HOST
+from . import keys
 from .backends import get_backend
-from .exchange import check_agreement, exchange
+from .exchange import check_agreement, exchange, resolve_group
 from .plan import CPPlan
 from .summaries import (backward_payload_size, compose_entering_states, compose_exit_grads,
                         exit_state, forward_payload_size)
@@ -167,202 +167,276 @@ def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, k
     return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep, **extra)
 
 
-class _ChunkKdaCP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final,
-                mode, backend):
-        H, K, V = q.shape[2], q.shape[3], v.shape[-1]
-        sd = backend.state_dtype
-        local = plan.local_fragments
-        keep = mode == "saved"
+class _Context:
+    """What the CP forward leaves for its backward (held under the op's handle: kda_aot.cp.keys)."""
 
-        middle = [f for f in local if f.needs_state and not f.is_last]  # summarised whatever the order
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
 
-        def known_state(f):  # the entering state of a fragment that starts its document here
-            return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
-                    else initial_state[f.doc].to(sd))
 
-        def entering_states(prepared, finals=None):
-            """Steps 1-2: what the others wait for ((M, B) of middle fragments, exit states of first
-            ones: from the summaries, or the local walks' final states `finals` when given), the
-            exchange, and the local fragments' entering states composed from it."""
-            items, M_local = {}, {}
-            summarised = middle if finals is not None else [f for f in local if not f.is_last]
-            with _Phase("fwd summary walks", q.device):
-                summaries = _summaries(backend, prepared, local, summarised, k, v, g, beta, need_b=True)
-                for f in local:
-                    if f.is_last:
-                        continue
-                    if f.needs_state:
-                        M, B = summaries[f.index]
-                        items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
-                        M_local[f.index] = M
-                    elif finals is not None:
-                        items[f.index] = finals[f.segment]
-                    else:
-                        M, B = summaries[f.index]
-                        S0 = None if initial_state is None else initial_state[f.doc]
-                        items[f.index] = exit_state(M, B, S0)
-            with _Phase("fwd exchange", q.device):
-                published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
-            return compose_entering_states(plan, published, H, K, V, local), M_local
+def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):
+    """The CP forward (collective): (o, final_state or [0]); fills ctx for _cp_backward."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    sd = backend.state_dtype
+    local = plan.local_fragments
+    keep = mode == "saved"
 
-        pipelined = getattr(backend, "forward_pipelined", None) if _pipeline_on() and local else None
-        if pipelined is not None:
-            # 0-3 beside each other: the chunk stage a segment group at a time with the walks of the
-            # fragments whose entering state is known here, first those of the fragments that others
-            # wait for (their exit state is their walk's final state: no summary walk); once it is
-            # queued, the middle fragments' summaries, the exchange, then the other fragments' walks
-            # (the backend's pipelined order)
-            got = {}
+    middle = [f for f in local if f.needs_state and not f.is_last]  # summarised whatever the order
 
-            def entering(prepared, finals):
-                got["S_in"], got["M_local"] = entering_states(prepared, finals)
-                later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]  # segment order
-                return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
-            with _Phase("fwd local", q.device):
-                o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
-                                            torch.stack([known_state(f) for f in local]),
-                                            [f.segment for f in local if f.needs_state], entering,
-                                            [f.segment for f in local if not f.needs_state and not f.is_last],
-                                            [f.segment for f in middle])
-            S_in, M_local = got["S_in"], got["M_local"]
-            if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
-                main = torch.cuda.current_stream(q.device)
-                for t in (*S_in.values(), *M_local.values()):
-                    t.record_stream(main)
-        else:
-            # 0. the local work that needs no entering state (a backend that can split it off), so
-            #    that it runs while this rank waits for the others' summaries.
-            prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep)
-            S_in, M_local = entering_states(prepared)
+    def known_state(f):  # the entering state of a fragment that starts its document here
+        return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
+                else initial_state[f.doc].to(sd))
 
-        # 2. entering states of the local fragments, then (not pipelined) the local forward.
-        states = [S_in[f.index].to(q.device) if f.needs_state else known_state(f) for f in local]
-        final = (torch.zeros(plan.num_docs, H, K, V, dtype=sd, device=q.device) if want_final
-                 else torch.zeros(0, dtype=sd, device=q.device))
-        if local:
-            states = torch.stack(states)
-            if pipelined is None:
-                with _Phase("fwd local", q.device):
-                    o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale, keep=keep)
-            if want_final:
-                for f in local:
-                    if f.is_last:
-                        final[f.doc] = finals[f.segment]
-            o = o.to(q.dtype)
-        else:
-            states, lctx = torch.zeros(0, H, K, V, dtype=sd, device=q.device), None
-            o = torch.zeros(1, 0, H, V, dtype=q.dtype, device=q.device)
-
-        ctx.cfg = (plan, group, scale, want_final, mode, backend, (H, K, V),
-                   initial_state is not None)
-        ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
-        ctx.h0_dtype = None if initial_state is None else initial_state.dtype
-        if mode == "saved":
-            ctx.lctx, ctx.M_local = lctx, M_local
-            ctx.save_for_backward(states)
-        else:
-            ctx.save_for_backward(q, k, v, g, beta, states)
-        if not want_final:
-            ctx.mark_non_differentiable(final)
-        return o, final
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do, dfinal):
-        plan, group, scale, want_final, mode, backend, (H, K, V), has_h0 = ctx.cfg
-        sd = backend.state_dtype
-        local = plan.local_fragments
-        if mode == "saved":
-            (states,) = ctx.saved_tensors
-            lctx, M_local = ctx.lctx, ctx.M_local
-            ctx.lctx = ctx.M_local = None          # free the graph as soon as possible
-        device = do.device
-        # Exit-state gradients known locally: the final-state gradient of documents that end here.
-        known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)
-        if want_final and dfinal is not None:
+    def entering_states(prepared, finals=None):
+        """Steps 1-2: what the others wait for ((M, B) of middle fragments, exit states of first
+        ones: from the summaries, or the local walks' final states `finals` when given), the
+        exchange, and the local fragments' entering states composed from it."""
+        items, M_local = {}, {}
+        summarised = middle if finals is not None else [f for f in local if not f.is_last]
+        with _Phase("fwd summary walks", q.device):
+            summaries = _summaries(backend, prepared, local, summarised, k, v, g, beta, need_b=True)
             for f in local:
                 if f.is_last:
-                    known[f.segment] = dfinal[f.doc].to(sd)
-        need_d = any(f.needs_state for f in local)
-        first_pass = walk = None
-        if mode != "saved":
-            q, k, v, g, beta, states = ctx.saved_tensors
-            lctx, M_local = None, {}
-            if local:
-                # Replay: the same calls on the same values as the forward -> bitwise the same.
-                replay = getattr(backend, "replay", None)
-                replay_pipelined = getattr(backend, "replay_pipelined", None) if _pipeline_on() else None
-                with _Phase("bwd replay", q.device):
-                    if replay_pipelined is not None:
-                        # the chunk stage and both walks pipelined, the backward walk in full (its tape
-                        # too) from the exit-state gradients known here: the fragments that end their
-                        # document are done with it, the others walk again once theirs arrive (rewalk);
-                        # those that also start their document here are left out of this first walk (no
-                        # D is wanted of them). The saved context holds the chunk stage's outputs, which
-                        # the summaries read.
-                        lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
-                                                      do, known, [f.segment for f in local
-                                                                  if not f.is_last and not f.needs_state])
-                        first_pass, prepared = walk[1], lctx
-                    else:
-                        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
-                        if replay is not None and prepared is not None:
-                            # the forward walk and the walk for D side by side (the backend's choice)
-                            lctx, first_pass = replay(prepared, states, do, known if need_d else None)
-                        else:
-                            _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
-                                                  keep=True)
-                with _Phase("bwd summary walks", q.device):
-                    frags = [f for f in local if f.needs_state and not f.is_last]
-                    M_local = {i: mb[0] for i, mb in
-                               _summaries(backend, prepared, local, frags, k, v, g, beta, need_b=False).items()}
+                    continue
+                if f.needs_state:
+                    M, B = summaries[f.index]
+                    items[f.index] = torch.cat([M.reshape(-1), B.reshape(-1)])
+                    M_local[f.index] = M
+                elif finals is not None:
+                    items[f.index] = finals[f.segment]
+                else:
+                    M, B = summaries[f.index]
+                    S0 = None if initial_state is None else initial_state[f.doc]
+                    items[f.index] = exit_state(M, B, S0)
+        with _Phase("fwd exchange", q.device):
+            published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
+        return compose_entering_states(plan, published, H, K, V, local), M_local
 
-        # 1. D (dS_out = 0) of the local fragments whose entering-state gradient others wait for.
-        if need_d and first_pass is None:
-            state_grads = getattr(backend, "state_grads", None)
-            with _Phase("bwd summary walks", device):
-                first_pass = (state_grads(lctx, do, known) if state_grads is not None
-                              else backend.backward(lctx, do, known)[5])
-        items = {}
-        for f in local:
-            if f.needs_state:
-                D = first_pass[f.segment]
-                items[f.index] = D if f.is_last else torch.cat([M_local[f.index].reshape(-1),
-                                                                 D.reshape(-1)])
-        with _Phase("bwd exchange", device):
-            published = exchange(plan, group, backward_payload_size(H, K, V), items, sd, like=do)
+    pipelined = getattr(backend, "forward_pipelined", None) if _pipeline_on() and local else None
+    if pipelined is not None:
+        # 0-3 beside each other: the chunk stage a segment group at a time with the walks of the
+        # fragments whose entering state is known here, first those of the fragments that others
+        # wait for (their exit state is their walk's final state: no summary walk); once it is
+        # queued, the middle fragments' summaries, the exchange, then the other fragments' walks
+        # (the backend's pipelined order)
+        got = {}
 
-        # 2. true exit-state gradients, then the local backward with them.
-        dS_out = compose_exit_grads(plan, published, H, K, V, local)
-        dtypes = ctx.dtypes
-        if not local:
-            grads = [torch.zeros(1, 0, *shape, dtype=dt, device=device) for shape, dt in
-                     zip(((H, K), (H, K), (H, V), (H, K), (H,)), dtypes)]
-            dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
-                   if has_h0 else None)
-            return (*grads, dh0) + (None,) * 6
-        true = known.clone()
-        for f in local:
-            if not f.is_last:
-                true[f.segment] = dS_out[f.index].to(device)
-        with _Phase("bwd local", device):
-            if walk is not None:
-                final_pass = backend.backward(lctx, do, true, walk=walk,
-                                              rewalk=[f.segment for f in local if not f.is_last])
-            else:
-                final_pass = backend.backward(lctx, do, true)
-        grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
-        dh0 = None
-        if has_h0:
-            # Rows of documents whose first fragment is here; zero elsewhere (an all_reduce(SUM)
-            # over the group gives the full initial-state gradient).
-            dh0 = torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
+        def entering(prepared, finals):
+            got["S_in"], got["M_local"] = entering_states(prepared, finals)
+            later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]  # segment order
+            return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
+        with _Phase("fwd local", q.device):
+            o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
+                                        torch.stack([known_state(f) for f in local]),
+                                        [f.segment for f in local if f.needs_state], entering,
+                                        [f.segment for f in local if not f.needs_state and not f.is_last],
+                                        [f.segment for f in middle])
+        S_in, M_local = got["S_in"], got["M_local"]
+        if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
+            main = torch.cuda.current_stream(q.device)
+            for t in (*S_in.values(), *M_local.values()):
+                t.record_stream(main)
+    else:
+        # 0. the local work that needs no entering state (a backend that can split it off), so
+        #    that it runs while this rank waits for the others' summaries.
+        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep)
+        S_in, M_local = entering_states(prepared)
+
+    # 2. entering states of the local fragments, then (not pipelined) the local forward.
+    states = [S_in[f.index].to(q.device) if f.needs_state else known_state(f) for f in local]
+    final = (torch.zeros(plan.num_docs, H, K, V, dtype=sd, device=q.device) if want_final
+             else torch.zeros(0, dtype=sd, device=q.device))
+    if local:
+        states = torch.stack(states)
+        if pipelined is None:
+            with _Phase("fwd local", q.device):
+                o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale, keep=keep)
+        if want_final:
             for f in local:
-                if f.position == 0:
-                    dh0[f.doc] = final_pass[5][f.segment].to(ctx.h0_dtype)
-        return (*grads, dh0) + (None,) * 6
+                if f.is_last:
+                    final[f.doc] = finals[f.segment]
+        o = o.to(q.dtype)
+    else:
+        states, lctx = torch.zeros(0, H, K, V, dtype=sd, device=q.device), None
+        o = torch.zeros(1, 0, H, V, dtype=q.dtype, device=q.device)
+
+    ctx.cfg = (plan, group, scale, want_final, mode, backend, (H, K, V),
+               initial_state is not None)
+    ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+    ctx.h0_dtype = None if initial_state is None else initial_state.dtype
+    if mode == "saved":
+        ctx.lctx, ctx.M_local = lctx, M_local
+        ctx.save_for_backward(states)
+    else:
+        ctx.save_for_backward(q, k, v, g, beta, states)
+    return o, final
+
+
+def _cp_backward(ctx, do, dfinal):
+    """The CP backward (collective) of a _cp_forward: (dq, dk, dv, dg, dbeta, d_initial_state or None)."""
+    plan, group, scale, want_final, mode, backend, (H, K, V), has_h0 = ctx.cfg
+    sd = backend.state_dtype
+    local = plan.local_fragments
+    if mode == "saved":
+        (states,) = ctx.saved_tensors
+        lctx, M_local = ctx.lctx, ctx.M_local
+        ctx.lctx = ctx.M_local = None          # free the graph as soon as possible
+    device = do.device
+    # Exit-state gradients known locally: the final-state gradient of documents that end here.
+    known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)
+    if want_final and dfinal is not None:
+        for f in local:
+            if f.is_last:
+                known[f.segment] = dfinal[f.doc].to(sd)
+    need_d = any(f.needs_state for f in local)
+    first_pass = walk = None
+    if mode != "saved":
+        q, k, v, g, beta, states = ctx.saved_tensors
+        lctx, M_local = None, {}
+        if local:
+            # Replay: the same calls on the same values as the forward -> bitwise the same.
+            replay = getattr(backend, "replay", None)
+            replay_pipelined = getattr(backend, "replay_pipelined", None) if _pipeline_on() else None
+            with _Phase("bwd replay", q.device):
+                if replay_pipelined is not None:
+                    # the chunk stage and both walks pipelined, the backward walk in full (its tape
+                    # too) from the exit-state gradients known here: the fragments that end their
+                    # document are done with it, the others walk again once theirs arrive (rewalk);
+                    # those that also start their document here are left out of this first walk (no
+                    # D is wanted of them). The saved context holds the chunk stage's outputs, which
+                    # the summaries read.
+                    lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
+                                                  do, known, [f.segment for f in local
+                                                              if not f.is_last and not f.needs_state])
+                    first_pass, prepared = walk[1], lctx
+                else:
+                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
+                    if replay is not None and prepared is not None:
+                        # the forward walk and the walk for D side by side (the backend's choice)
+                        lctx, first_pass = replay(prepared, states, do, known if need_d else None)
+                    else:
+                        _, _, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale,
+                                              keep=True)
+            with _Phase("bwd summary walks", q.device):
+                frags = [f for f in local if f.needs_state and not f.is_last]
+                M_local = {i: mb[0] for i, mb in
+                           _summaries(backend, prepared, local, frags, k, v, g, beta, need_b=False).items()}
+
+    # 1. D (dS_out = 0) of the local fragments whose entering-state gradient others wait for.
+    if need_d and first_pass is None:
+        state_grads = getattr(backend, "state_grads", None)
+        with _Phase("bwd summary walks", device):
+            first_pass = (state_grads(lctx, do, known) if state_grads is not None
+                          else backend.backward(lctx, do, known)[5])
+    items = {}
+    for f in local:
+        if f.needs_state:
+            D = first_pass[f.segment]
+            items[f.index] = D if f.is_last else torch.cat([M_local[f.index].reshape(-1),
+                                                             D.reshape(-1)])
+    with _Phase("bwd exchange", device):
+        published = exchange(plan, group, backward_payload_size(H, K, V), items, sd, like=do)
+
+    # 2. true exit-state gradients, then the local backward with them.
+    dS_out = compose_exit_grads(plan, published, H, K, V, local)
+    dtypes = ctx.dtypes
+    if not local:
+        grads = [torch.zeros(1, 0, *shape, dtype=dt, device=device) for shape, dt in
+                 zip(((H, K), (H, K), (H, V), (H, K), (H,)), dtypes)]
+        dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
+               if has_h0 else None)
+        return (*grads, dh0)
+    true = known.clone()
+    for f in local:
+        if not f.is_last:
+            true[f.segment] = dS_out[f.index].to(device)
+    with _Phase("bwd local", device):
+        if walk is not None:
+            final_pass = backend.backward(lctx, do, true, walk=walk,
+                                          rewalk=[f.segment for f in local if not f.is_last])
+        else:
+            final_pass = backend.backward(lctx, do, true)
+    grads = [gr.to(dt) for gr, dt in zip(final_pass[:5], dtypes)]
+    dh0 = None
+    if has_h0:
+        # Rows of documents whose first fragment is here; zero elsewhere (an all_reduce(SUM)
+        # over the group gives the full initial-state gradient).
+        dh0 = torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
+        for f in local:
+            if f.position == 0:
+                dh0[f.doc] = final_pass[5][f.segment].to(ctx.h0_dtype)
+    return (*grads, dh0)
+
+
+# ---------------------------------------------------------------------------- the custom ops
+# kda_aot::chunk_kda_cp_fwd / _bwd: the op's forward and backward as torch.library custom ops (so that
+# torch.compile traces a CP step into one graph); the plan, the group and the backend travel as the
+# strings kda_aot.cp.keys resolves, the forward's context as a handle tensor.
+
+def _fake_outputs(q, v, initial_state, plan, output_final_state, backend):
+    plan, sd = keys.plan_of(plan), get_backend(backend).state_dtype
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    final = (q.new_empty((plan.num_docs, H, K, V), dtype=sd) if output_final_state
+             else q.new_empty((0,), dtype=sd))
+    return q.new_empty((1, q.shape[1], H, V)), final, torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("kda_aot::chunk_kda_cp_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
+def chunk_kda_cp_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        initial_state: Optional[torch.Tensor], plan: str, group: str, scale: float,
+                        output_final_state: bool, backward: str, backend: str, agree: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collective: (o, final_state or [0], the context handle). agree: check the ranks' agreement first
+    (else the caller did: PackedKDA's one check)."""
+    plan_obj, group_obj, backend_obj = keys.plan_of(plan), keys.group_of(group), get_backend(backend)
+    if agree:
+        _, facts, problem, _ = kda_facts(q, k, v, g, beta, initial_state, plan_obj, scale, backward, backend_obj)
+        check_agreement("chunk_kda_cp", plan_obj, group_obj, facts, problem, q)
+    ctx = _Context()
+    o, final = _cp_forward(ctx, q, k, v, g, beta, initial_state, plan_obj, group_obj, scale, output_final_state,
+                           backward, backend_obj)
+    return o, final, keys.stash(ctx)
+
+
+@chunk_kda_cp_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, plan, group, scale, output_final_state, backward, backend, agree):
+    return _fake_outputs(q, v, initial_state, plan, output_final_state, backend)
+
+
+@torch.library.custom_op("kda_aot::chunk_kda_cp_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
+def chunk_kda_cp_bwd_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, initial_state: Optional[torch.Tensor], do: torch.Tensor,
+                        dfinal_state: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Collective: (dq, dk, dv, dg, dbeta, d_initial_state or [0]) of the forward behind `handle`
+    (q ... initial_state: the forward's inputs, for the gradients' shapes)."""
+    grads = _cp_backward(keys.context_of(handle), do, dfinal_state)
+    return (*grads[:5], q.new_empty((0,)) if grads[5] is None else grads[5])
+
+
+@chunk_kda_cp_bwd_op.register_fake
+def _(handle, q, k, v, g, beta, initial_state, do, dfinal_state):
+    dh0 = q.new_empty((0,)) if initial_state is None else torch.empty_like(initial_state)
+    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state = inputs[:6]
+    ctx.has_initial_state = initial_state is not None
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[2], q, k, v, g, beta, initial_state)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward(ctx, do, dfinal_state, _):
+    handle, q, k, v, g, beta, h0 = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    grads = chunk_kda_cp_bwd_op(handle, q, k, v, g, beta, h0, do, dfinal_state)
+    return (*grads[:5], grads[5] if ctx.has_initial_state else None) + (None,) * 7
+
+
+chunk_kda_cp_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[float] = None,
@@ -390,11 +464,10 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     final_state), including a rank that holds no token (its o is [1, 0, H, V]), in the same
     order as the other ranks' CP calls.
     """
-    backend, facts, problem, scale = kda_facts(q, k, v, g, beta, initial_state, plan, scale, backward, backend)
-    group, _, _ = check_agreement("chunk_kda_cp", plan, group, facts, problem,
-                                  q if isinstance(q, torch.Tensor) else None)
-    return chunk_kda_cp_agreed(q, k, v, g, beta, plan=plan, group=group, scale=scale, initial_state=initial_state,
-                               output_final_state=output_final_state, backward=backward, backend=backend)
+    backend, _, _, scale = kda_facts(q, k, v, g, beta, initial_state, plan, scale, backward, backend)
+    group, _, _ = resolve_group(group)
+    return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
+                  agree=True)
 
 
 def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: str, backend):
@@ -421,10 +494,15 @@ def chunk_kda_cp_agreed(q, k, v, g, beta, *, plan: CPPlan, group, scale: float, 
                         backward: str, backend):
     """chunk_kda_cp once the ranks have agreed (check_agreement on kda_facts, e.g. PackedKDA's one
     check for its whole call): group resolved, scale set, backend an object."""
+    return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
+                  agree=False)
+
+
+def _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend, agree):
     # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing.
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    o, final = _ChunkKdaCP.apply(q, k, v, g, beta, initial_state, plan, group, float(scale),
-                                 bool(output_final_state), backward if needs_grad else "replay",
-                                 backend)
+    o, final, _ = chunk_kda_cp_fwd_op(q, k, v, g, beta, initial_state, plan.op_key, group.group_name, float(scale),
+                                      bool(output_final_state), backward if needs_grad else "replay", backend.spec,
+                                      agree)
     return o, (final if output_final_state else None)

@@ -34,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._tensor import check_cu_seqlens
+from .keys import register_plan
 
 __all__ = ["LAYOUTS", "CHUNK", "Fragment", "CPPlan", "make_plan"]
 
@@ -83,9 +84,17 @@ class CPPlan:
         return (f"sha256 {hashlib.sha256(repr(self.cu_seqlens).encode()).hexdigest()[:12]}"
                 f" (T = {self.total_tokens}, {self.num_docs} documents)")
 
+    def __post_init__(self):
+        # the name the CP custom ops know this plan by (kda_aot.cp.keys); not a field: plans compare by value
+        object.__setattr__(self, "op_key", register_plan(self))
+
     def __getstate__(self):
         # the memo's device tables stay with the process that made them (and its cached digest is cheap)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_memo", "digest")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_memo", "digest", "op_key")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.__post_init__()
 
     def memo(self, key, make):
         """make() once per key for this plan (the exchanges' device tables, by device): a step under CP
