@@ -168,7 +168,7 @@ setup(
     # The local version label says which GPU arch the wheel's kernels are for.
     version=f"{VERSION}+{ARCH.replace('_', '')}",
     description="Ahead-of-time compiled training kernels for Kimi Delta Attention on packed documents",
-    packages=["kda_aot", "kda_aot._lib", "kda_aot.bench"],
+    packages=["kda_aot", "kda_aot._lib"],
     python_requires=">=3.10",
     install_requires=["torch"],
     ext_modules=[RecordExtension(r) for r in selected_records(ARCH)],
