@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from . import reference
+from . import __version__, reference
+from ._lib import ARCH
 
 
 def reference_step(device: str) -> dict:
@@ -45,6 +46,8 @@ def reference_step(device: str) -> dict:
 
 
 def main() -> int:
+    built = "nothing built yet" if ARCH == "source" else f"kernels for {ARCH}"
+    print(f"kda_aot {__version__} ({built}), torch {torch.__version__}")
     if torch.cuda.is_available():
         device = "cuda"
         print(f"kda_aot: GPU {torch.cuda.get_device_name()}")

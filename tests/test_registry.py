@@ -90,3 +90,24 @@ def test_wheel_ships_only_shipped_records_and_names_its_arch(tmp_path):
     shipped = sorted("_" + r["program"] + "__" + r["form"] for r in built_records())
     assert modules == shipped
     assert "kda_aot/_lib/build.json" in names
+    # every module and data file of the package, nothing of the checkout's build inputs, benchmarks or tests
+    sources = {str(f.relative_to(ROOT)) for f in (ROOT / "kda_aot").rglob("*")
+               if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".so" and f.name != "build_info.py"}
+    assert {"kda_aot/fit_params.json", "kda_aot/cp/exchange.py"} <= sources
+    package = {n for n in names if n.startswith("kda_aot/") and not n.endswith(".so")}
+    assert package == sources | {"kda_aot/_lib/build.json", "kda_aot/_lib/build_info.py"}
+    assert not [n for n in names if n.split("/")[0] in ("bench", "codegen", "tests", "templates", "generated")]
+    wheel = zipfile.ZipFile(wheels[0])
+    info = wheel.read("kda_aot/_lib/build_info.py").decode()
+    assert "VERSION = '0.1.0+sm90a'" in info and "ARCH = 'sm_90a'" in info
+    metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert "torch>=2.4" in requires and not [r for r in requires if r.startswith("numpy")]
+
+
+def test_version_says_the_built_arch():
+    """kda_aot.__version__ is <version>+<arch of the built kernels> (build_info.py, written by build_ext)."""
+    import kda_aot
+    from kda_aot import _lib
+    arch = registry.library("conv1d_silu_fwd", "default").ARCH
+    assert _lib.ARCH == arch and kda_aot.__version__.endswith("+" + arch.replace("_", ""))
