@@ -6,8 +6,10 @@
     KDA_AOT_JOBS=N               parallel compiler processes (default: CPU count)
 
 Kernel units are compiled by nvcc, binding units by the host C++ compiler (they hold no device
-code), one Python extension module per record. Objects are cached under build/obj by record hash.
-Refuses to build from a stale generated/ (run `python -m codegen render`).
+code), one Python extension module per record, beside kda_aot/_lib/build_info.py (the version and
+arch they were built for: kda_aot.__version__). Objects are cached under build/obj by record hash.
+Refuses to build from a stale generated/ (run `python -m codegen render`). The project's metadata
+and dependencies are in pyproject.toml; the version is computed here from the arch.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
@@ -87,6 +89,8 @@ def refuse_stale() -> None:
 
 
 ARCH = target_arch()
+# The local version label says which GPU arch the wheel's kernels are for.
+PACKAGE_VERSION = f"{VERSION}+{ARCH.replace('_', '')}"
 
 
 class BuildRecords(build_ext):
@@ -106,6 +110,14 @@ class BuildRecords(build_ext):
                                  futures[ext.name][1].result()) for ext in self.extensions]
             for f in links:
                 f.result()
+
+    def run(self):
+        super().run()  # in place, setuptools links into build_lib and then copies the modules over
+        # Beside the extension modules: what kda_aot.__version__ reports.
+        lib_dir = ROOT / "kda_aot" / "_lib" if self.inplace else Path(self.build_lib) / "kda_aot" / "_lib"
+        (lib_dir / "build_info.py").write_text(
+            "# Written by setup.py's build_ext: what the extension modules here were built for.\n"
+            f"VERSION = {PACKAGE_VERSION!r}\nARCH = {ARCH!r}\n")
 
     @staticmethod
     def _run(cmd: list[str]) -> None:
@@ -151,6 +163,9 @@ class BuildPy(build_py):
     """Ship the shipped manifest with the package so the registry can check hashes in a wheel."""
 
     def run(self):
+        # build_py runs first in `build`: an empty package folder keeps modules deleted from the tree
+        # (and a checkout's earlier builds) out of the wheel.
+        shutil.rmtree(Path(self.build_lib) / "kda_aot", ignore_errors=True)
         super().run()
         dest = Path(self.build_lib) / "kda_aot" / "_lib"
         dest.mkdir(parents=True, exist_ok=True)
@@ -164,13 +179,11 @@ class RecordExtension(Extension):
 
 
 setup(
-    name="kda_aot",
-    # The local version label says which GPU arch the wheel's kernels are for.
-    version=f"{VERSION}+{ARCH.replace('_', '')}",
-    description="Ahead-of-time compiled training kernels for Kimi Delta Attention on packed documents",
-    packages=["kda_aot", "kda_aot._lib", "kda_aot.bench"],
-    python_requires=">=3.10",
-    install_requires=["torch"],
+    version=PACKAGE_VERSION,
+    # The package and its data only: codegen and templates are build inputs, bench and tests stay in the checkout.
+    packages=find_packages(exclude=["codegen", "codegen.*", "bench", "bench.*", "tests", "tests.*"]),
+    package_data={"kda_aot": ["fit_params.json"]},
+    include_package_data=False,  # what ships is package_data above, whatever else the tree holds
     ext_modules=[RecordExtension(r) for r in selected_records(ARCH)],
     cmdclass={"build_ext": BuildRecords, "build_py": BuildPy},
     zip_safe=False,

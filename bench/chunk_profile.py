@@ -9,9 +9,9 @@ import sys
 
 import torch
 
+from bench.packs import PACKS
+from bench.single import inputs
 from kda_aot import kda
-from kda_aot.bench.packs import PACKS
-from kda_aot.bench.single import inputs
 
 PHASES = ("load", "cumsum", "qg/kg out", "Akk/Aqk mma", "masks+bar", "diag 8x8 | Aqk out", "diag X",
           "diag M+bar", "inverse (tensor cores)", "T+bar", "K e^G+bar", "W mma", "U mma+bar", "W/U out")

@@ -38,7 +38,7 @@ stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
     tests/test_l2norm.py tests/test_nn.py tests/test_cp_cuda.py tests/test_conv_gpu.py tests/test_graph_gpu.py \
     > "$W/pytest.log" 2>&1
   stamp "A: tests: $(tail -1 "$W/pytest.log")"
-  timeout $(cap 290) python3 -m kda_aot.bench single --pack Q1 --iters 10 --walk-forms auto,full --out "$W" \
+  timeout $(cap 290) python3 -m bench single --pack Q1 --iters 10 --walk-forms auto,full --out "$W" \
     > "$W/single.log" 2>&1
   stamp "A: single Q1 rc $?"
 ) &

@@ -43,7 +43,7 @@ if [ "${NCCL_TESTS-}" = 1 ]; then  # the CP tests over NCCL with the CUDA backen
   stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
 fi
 if [ -n "$CP2_PACKS" ]; then
-  KDA_AOT_DUMP_AFTER=$(( ${CP2_S:-340} - 30 )) timeout $(cap ${CP2_S:-340}) torchrun --nproc-per-node 2 -m kda_aot.bench cp \
+  KDA_AOT_DUMP_AFTER=$(( ${CP2_S:-340} - 30 )) timeout $(cap ${CP2_S:-340}) torchrun --nproc-per-node 2 -m bench cp \
     --pack "$CP2_PACKS" --iters 5 --walk-forms auto,full --out "$W/cp" ${CP2_ARGS:-} > "$W/cp2.log" 2>&1
   stamp "cp2 rc $?"
 fi
@@ -65,11 +65,11 @@ fi
     stamp "A: $(wc -l < "$W/test_ids.txt") tests: $(tail -1 "$W/pytest.log")"
   fi
   if [ -n "$SINGLE_A" ]; then
-    timeout $(cap 240) python3 -m kda_aot.bench single --pack "$SINGLE_A" --iters 10 --walk-forms auto,full \
+    timeout $(cap 240) python3 -m bench single --pack "$SINGLE_A" --iters 10 --walk-forms auto,full \
       --out "$W/single" > "$W/single_a.log" 2>&1; stamp "A: single $SINGLE_A rc $?"
   fi
   if [ "$H64" = 1 ]; then
-    timeout $(cap ${H64_S:-150}) python3 -m kda_aot.bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
+    timeout $(cap ${H64_S:-150}) python3 -m bench single --pack Q1 --heads 64 --boundary fwdbwd --iters 3 \
       ${H64_ARGS:-} --out "$W/h64" > "$W/h64.log" 2>&1; stamp "A: single H=64 rc $?"
   fi
 ) &
@@ -83,11 +83,11 @@ fi
   fi
   if [ -n "$EXTRA_B" ]; then timeout $(cap 120) bash -c "$EXTRA_B" > "$W/extra_b.log" 2>&1; stamp "B: extra rc $?"; fi
   if [ -n "$SINGLE_B" ]; then
-    timeout $(cap 300) python3 -m kda_aot.bench single --pack "$SINGLE_B" --iters 5 --walk-forms auto,full \
+    timeout $(cap 300) python3 -m bench single --pack "$SINGLE_B" --iters 5 --walk-forms auto,full \
       --out "$W/single" > "$W/single_b.log" 2>&1; stamp "B: single $SINGLE_B rc $?"
   fi
   if [ "$CP1" = 1 ]; then
-    timeout $(cap 150) torchrun --nproc-per-node 1 -m kda_aot.bench cp --pack all --iters 5 --layouts contiguous \
+    timeout $(cap 150) torchrun --nproc-per-node 1 -m bench cp --pack all --iters 5 --layouts contiguous \
       --walk-forms auto,full ${CP1_ARGS:-} --out "$W/cp" > "$W/cp1.log" 2>&1; stamp "B: cp1 rc $?"
   fi
 ) &

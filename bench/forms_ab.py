@@ -16,10 +16,10 @@ import sys
 
 import torch
 
+from bench.common import interleaved, with_env
+from bench.packs import PACKS
+from bench.single import inputs
 from kda_aot import registry
-from kda_aot.bench.common import interleaved, with_env
-from kda_aot.bench.packs import PACKS
-from kda_aot.bench.single import inputs
 from kda_aot.kda import (BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_bwd_chunk,
                          chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare)
 

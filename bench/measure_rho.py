@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from bench.single import inputs
 from kda_aot import fit, registry
 from kda_aot._tensor import describe, stream_of
-from kda_aot.bench.single import inputs
 from kda_aot.kda import CHUNK, chunk_kda_fwd
 
 WALKS = ("kda_fwd_tape", "kda_bwd_tape")

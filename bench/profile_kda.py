@@ -5,8 +5,8 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kda_aot.bench.packs import PACKS
-from kda_aot.bench.single import inputs
+from bench.packs import PACKS
+from bench.single import inputs
 from kda_aot import chunk_kda
 
 pack = sys.argv[1] if len(sys.argv) > 1 else "Q1"

@@ -5,7 +5,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kda_aot.bench.packs import HEAD_DIM, PACKS
+from bench.packs import HEAD_DIM, PACKS
 from kda_aot.nn import PackedKDA
 
 pack = sys.argv[1] if len(sys.argv) > 1 else "Q1"

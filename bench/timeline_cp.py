@@ -21,8 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(__file__))
 from timeline_kda import idle_stretches, short  # noqa: E402
 
+from bench.packs import HEAD_DIM, PACKS  # noqa: E402
 from kda_aot import cp  # noqa: E402
-from kda_aot.bench.packs import HEAD_DIM, PACKS  # noqa: E402
+from kda_aot.cp.exchange import gather_json  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 
 FAMILIES = ("kda_fwd_chunk", "kda_fwd_tape", "kda_bwd_tape", "kda_bwd_chunk", "kda_bwd_gate", "kcp_transfer",
@@ -113,8 +114,8 @@ def main():
         inside = [h for h in host if h["start_ms"] <= a and h["start_ms"] + h["ms"] >= b and h["cat"] != "python_function"]
         lines.append(f"  idle [{a:.2f}, {b:.2f}] {b - a:.2f} ms inside: "
                      + "; ".join(f"{h['name']} ({h['ms']:.2f})" for h in inside[-3:]))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, "\n".join(lines))
+    everyone = gather_json("\n".join(lines), dist.get_world_size(), dist.group.WORLD,
+                           torch.device("cuda", torch.cuda.current_device()))
     if rank == 0:
         print("\n".join(everyone))
     dist.destroy_process_group()

@@ -13,8 +13,8 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kda_aot.bench.packs import PACKS
-from kda_aot.bench.single import inputs
+from bench.packs import PACKS
+from bench.single import inputs
 from kda_aot import chunk_kda
 from kda_aot.kda import chunk_kda_fwd
 

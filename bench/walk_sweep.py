@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from kda_aot.bench.single import inputs
+from bench.single import inputs
 from kda_aot.kda import CHUNK, chunk_kda_bwd_walk, chunk_kda_prepare, chunk_kda_walk
 
 # (documents, heads): chains = documents x heads, at most one full CTA per SM on 132 SMs

@@ -1,5 +1,6 @@
 """kda_aot: ahead-of-time compiled training kernels for Kimi Delta Attention on packed documents."""
 from . import cp, nn, reference, registry
+from ._lib import VERSION as __version__  # e.g. 0.1.0+sm90a: the arch its kernels were built for
 from .conv import causal_conv1d_silu
 from .chunk import chunk_kda
 

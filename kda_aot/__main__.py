@@ -1,10 +1,6 @@
-"""The main job: `python -m kda_aot`.
-
-With a GPU: the packed KDA training step (`kda_aot.chunk_kda`, forward and forward + backward in
-both backward modes) on pack Q1 with H = 32, and the conv1d + SiLU training step on Q1 with
-D = 12,288, each timed side by side with flash-linear-attention when it is installed, then the
-reference KDA training step on a small packed example. Without a GPU it says so and runs the
-reference (KDA forward + backward, conv forward + backward) on a small pack on the CPU.
+"""`python -m kda_aot`: what this install is, and the fp64 reference KDA + conv training step on a
+small pack (on the GPU when there is one, else on the CPU). The benchmarks live in the checkout's
+`bench` package (`python -m bench`; `bash scripts/main.sh` runs them with a GPU).
 """
 from __future__ import annotations
 
@@ -14,7 +10,8 @@ import time
 
 import torch
 
-from . import reference
+from . import __version__, reference
+from ._lib import ARCH
 
 
 def reference_step(device: str) -> dict:
@@ -49,19 +46,16 @@ def reference_step(device: str) -> dict:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("kda_aot: no CUDA GPU on this machine; running the fp64 reference on a small pack (CPU).")
-        print(json.dumps(reference_step("cpu"), indent=2))
-        return 0
-    print(f"kda_aot: GPU {torch.cuda.get_device_name()}")
-    from .bench import conv, single
-    from .bench.common import write_rows
-    for suite, rows in (("single", single.run(packs=("Q1",), H=32, iters=10)), ("conv", conv.run(pack="Q1"))):
-        for r in rows:
-            print(json.dumps(r, sort_keys=True))
-        print(f"rows written to {write_rows(rows, suite)}")
-    print("reference KDA step (fp64, GPU):")
-    print(json.dumps(reference_step("cuda"), indent=2))
+    built = "nothing built yet" if ARCH == "source" else f"kernels for {ARCH}"
+    print(f"kda_aot {__version__} ({built}), torch {torch.__version__}")
+    if torch.cuda.is_available():
+        device = "cuda"
+        print(f"kda_aot: GPU {torch.cuda.get_device_name()}")
+    else:
+        device = "cpu"
+        print("kda_aot: no CUDA GPU on this machine; running the fp64 reference on the CPU.")
+    print(f"reference KDA + conv training step (fp64, {device}), pack of 4 documents:")
+    print(json.dumps(reference_step(device), indent=2))
     return 0
 
 

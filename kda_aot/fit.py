@@ -20,8 +20,9 @@ consecutive segments of one form, each on its own stream so that they overlap (a
 split runs first, then the full runs in segment order: the order their CTAs are taken in).
 Every chain computes the same values in either form, so any plan gives bitwise the same result.
 
-Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json);
-while a program has no measurement, `auto` keeps `full` and says so in the log. Decisions are
+Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json, which
+ships with the package; a missing file is an error); while a program has no entry there, `auto` keeps
+`full` and says so in the log. Decisions are
 cached per (program, chain lengths, H, SM count, knob); every launch can be logged as
 (program, form, chains) on the `kda_aot.fit` logger at DEBUG level.
 """
@@ -78,8 +79,12 @@ def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_a
 
 @functools.lru_cache(maxsize=None)
 def _params(path: Path) -> dict:
-    """The programs' entries of a fit_params.json (empty until measured), read once per path."""
-    return json.loads(path.read_text())["programs"] if path.is_file() else {}
+    """The programs' entries of a fit_params.json (empty until measured), read once per path. The file
+    ships with the package: without it every `auto` launch would quietly keep `full`."""
+    if not path.is_file():
+        raise FileNotFoundError(f"kda_aot.fit: {path} is missing (it ships with kda_aot: reinstall the "
+                                f"package, or restore it in a source checkout)")
+    return json.loads(path.read_text())["programs"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,15 +18,32 @@ PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parent
 BUILD_HINT = "python setup.py build_ext --inplace"
 TEST_BUILD_HINT = "KDA_AOT_TEST_RECORDS=1 python setup.py build_ext --inplace"
+INSTALL_HINT = "reinstall kda_aot from a wheel built for this arch (`KDA_AOT_ARCH=<arch> pip wheel .` in a checkout)"
 CAPABILITY_ARCH = {(9, 0): "sm_90a"}  # compute capability -> the arch our records are rendered for
 
 
 class RecordError(RuntimeError):
-    """A record is unknown, not built, built for another arch, or stale."""
+    """A record is unknown, not built, built for another arch, or stale; `record` is its (program, form)."""
+
+    def __init__(self, message: str, record: tuple | None = None):
+        super().__init__(message)
+        self.record = record
+
+
+def in_checkout() -> bool:
+    """kda_aot runs from a source checkout (the manifests and codegen beside it), not from an installed wheel."""
+    return (REPO / "codegen").is_dir() and (REPO / "build.json").is_file()
+
+
+def build_hint(shipped: bool) -> str:
+    """How to get a missing or stale library: build it in the checkout, or reinstall the wheel."""
+    if not in_checkout():
+        return INSTALL_HINT
+    return f"build it with `{BUILD_HINT if shipped else TEST_BUILD_HINT}`"
 
 
 def _manifest_files() -> list[Path]:
-    if (REPO / "codegen").is_dir() and (REPO / "build.json").is_file():
+    if in_checkout():
         return [REPO / "build.json", REPO / "build.test.json"]
     return [PACKAGE / "_lib" / "build.json"]
 
@@ -56,27 +73,27 @@ def record(program: str, form: str = "default", arch: str | None = None) -> dict
     matches = [r for r in records() if r["program"] == program and r["form"] == form]
     if not matches:
         known = sorted({(r["program"], r["form"]) for r in records()})
-        raise RecordError(f"unknown record {program}/{form}; known: {known}")
+        raise RecordError(f"unknown record {program}/{form}; known: {known}", (program, form))
     for r in matches:
         if r["arch"] == arch:
             return r
     raise RecordError(f"record {program}/{form} has no build for {arch} "
-                      f"(rendered for {sorted(r['arch'] for r in matches)})")
+                      f"(rendered for {sorted(r['arch'] for r in matches)})", (program, form))
 
 
 @functools.lru_cache(maxsize=None)
 def library(program: str, form: str = "default"):
     """The loaded extension module of (program, form), its hash checked against the manifest."""
     rec = record(program, form)
-    hint = BUILD_HINT if rec["shipped"] else TEST_BUILD_HINT
+    hint = build_hint(rec["shipped"])
     name = f"{program}/{form} (record {rec['name']}, {rec['arch']})"
     try:
         mod = importlib.import_module(rec["module"])
     except ImportError as e:
-        raise RecordError(f"{name} is not built ({e}); build it with `{hint}`") from None
+        raise RecordError(f"{name} is not built ({e}); {hint}", (program, form)) from None
     if getattr(mod, "RECORD", None) != rec["name"] or getattr(mod, "ARCH", None) != rec["arch"]:
         raise RecordError(f"{name}: the built library is stale (it holds record {getattr(mod, 'RECORD', '?')} "
-                          f"for {getattr(mod, 'ARCH', '?')}); rebuild with `{hint}`")
+                          f"for {getattr(mod, 'ARCH', '?')}); {hint}", (program, form))
     return mod
 
 

@@ -1,5 +1,5 @@
 """The benchmarks' interleaving (CPU): every arm once per round, the order reversed every other round."""
-from kda_aot.bench.common import round_order
+from bench.common import round_order
 
 
 def test_round_order_alternates_and_covers_every_arm():

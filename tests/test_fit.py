@@ -1,5 +1,6 @@
 """The fit rule: list scheduling, the form decision, the knob, the cache."""
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -128,10 +129,25 @@ def test_quarter_step_cost_is_read_only_where_quarter_ships(monkeypatch, tmp_pat
 
 def test_quarter_shipped_matches_the_wheel_manifest():
     """QUARTER_SHIPPED names exactly the programs whose quarter record build.json ships."""
-    import json
-    from pathlib import Path
-    shipped = json.loads((Path(__file__).parents[1] / "build.json").read_text())["records"]
+    from kda_aot import registry
+    shipped = [r for r in registry.records() if r["shipped"]]
     assert fit.QUARTER_SHIPPED == {r["program"] for r in shipped if r["form"] == "quarter"}
+
+
+def test_the_package_carries_the_measured_step_costs():
+    """The fit rule reads its parameters from the package's fit_params.json: both tape walks measured."""
+    assert fit.PARAMS_FILE.parent == Path(fit.__file__).parent
+    assert {"kda_fwd_tape", "kda_bwd_tape"} <= set(fit.measured_rho())
+    assert fit.walk_step_us("kda_fwd_tape") > 0
+
+
+def test_missing_params_file_is_an_error(monkeypatch, tmp_path):
+    """Without fit_params.json `auto` would quietly keep `full` everywhere: it raises, naming the file."""
+    monkeypatch.setattr(fit, "PARAMS_FILE", tmp_path / "fit_params.json")
+    with pytest.raises(FileNotFoundError, match=r"fit_params.json is missing"):
+        fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto")
+    with pytest.raises(FileNotFoundError, match=r"fit_params.json is missing"):
+        fit.walk_step_us("kda_fwd_tape")
 
 
 def test_pipeline_groups():

@@ -81,10 +81,10 @@ def test_cpu_tensors_are_refused_last():
 
 def test_binding_refuses_unknown_and_missing_tensors():
     q, k, v, g, b, cu = good()
-    lib = registry.library("kda_fwd_chunk")
+    lib = registry.library("kda_fwd_chunk", "lean")  # the shipped form
     with pytest.raises(ValueError, match="unknown tensor argument 'qq'"):
         lib.launch({"qq": describe(q, "qq")}, 1.0, 0)
-    with pytest.raises(TypeError, match="k: a tensor is required by kda_fwd_chunk/default"):
+    with pytest.raises(TypeError, match="k: a tensor is required by kda_fwd_chunk/lean"):
         lib.launch({"q": describe(q, "q")}, 1.0, 0)
 
 

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from conftest import ROOT
+from conftest import CHECKOUT_ONLY, INSTALLED, ROOT
 from kda_aot import registry
 from kda_aot._tensor import DTYPE_CODES
 
@@ -56,15 +56,24 @@ def test_stale_library_is_refused_with_build_command(monkeypatch):
     with pytest.raises(registry.RecordError) as e:
         registry.library("conv1d_silu_fwd", "default")
     msg = str(e.value)
-    assert "conv1d_silu_fwd/default" in msg and "stale" in msg and registry.BUILD_HINT in msg
+    assert "conv1d_silu_fwd/default" in msg and "stale" in msg and registry.build_hint(True) in msg
 
 
 def test_missing_library_names_record_and_command(monkeypatch):
     _patched_records(monkeypatch, module="kda_aot._lib._not_built__default")
-    with pytest.raises(registry.RecordError, match=r"conv1d_silu_fwd/default .* is not built.*build_ext --inplace"):
+    with pytest.raises(registry.RecordError, match=r"conv1d_silu_fwd/default .* is not built") as e:
         registry.library("conv1d_silu_fwd", "default")
+    assert registry.build_hint(True) in str(e.value) and e.value.record == ("conv1d_silu_fwd", "default")
 
 
+def test_hints_say_build_in_a_checkout_and_reinstall_when_installed(monkeypatch):
+    monkeypatch.setattr(registry, "in_checkout", lambda: True)
+    assert registry.BUILD_HINT in registry.build_hint(True) and registry.TEST_BUILD_HINT in registry.build_hint(False)
+    monkeypatch.setattr(registry, "in_checkout", lambda: False)
+    assert registry.build_hint(True) == registry.build_hint(False) == registry.INSTALL_HINT
+
+
+@pytest.mark.skipif(INSTALLED, reason="the installed wheel carries no test-only records")
 def test_test_only_records_point_to_the_test_build():
     test_only = [r for r in registry.records() if not r["shipped"]]
     assert test_only, "the catalog has test-only records"
@@ -75,6 +84,7 @@ def test_test_only_records_point_to_the_test_build():
             assert "KDA_AOT_TEST_RECORDS=1" in str(e)
 
 
+@pytest.mark.skipif(INSTALLED, reason=CHECKOUT_ONLY + "; test_installed.py checks the installed one")
 def test_wheel_ships_only_shipped_records_and_names_its_arch(tmp_path):
     env = {**os.environ, "KDA_AOT_ARCH": "sm_90a", "KDA_AOT_TEST_RECORDS": "1"}
     env.pop("KDA_AOT_PROGRAMS", None)
@@ -90,3 +100,24 @@ def test_wheel_ships_only_shipped_records_and_names_its_arch(tmp_path):
     shipped = sorted("_" + r["program"] + "__" + r["form"] for r in built_records())
     assert modules == shipped
     assert "kda_aot/_lib/build.json" in names
+    # every module and data file of the package, nothing of the checkout's build inputs, benchmarks or tests
+    sources = {str(f.relative_to(ROOT)) for f in (ROOT / "kda_aot").rglob("*")
+               if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".so" and f.name != "build_info.py"}
+    assert {"kda_aot/fit_params.json", "kda_aot/cp/exchange.py"} <= sources
+    package = {n for n in names if n.startswith("kda_aot/") and not n.endswith(".so")}
+    assert package == sources | {"kda_aot/_lib/build.json", "kda_aot/_lib/build_info.py"}
+    assert not [n for n in names if n.split("/")[0] in ("bench", "codegen", "tests", "templates", "generated")]
+    wheel = zipfile.ZipFile(wheels[0])
+    info = wheel.read("kda_aot/_lib/build_info.py").decode()
+    assert "VERSION = '0.1.0+sm90a'" in info and "ARCH = 'sm_90a'" in info
+    metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert "torch>=2.4" in requires and not [r for r in requires if r.startswith("numpy")]
+
+
+def test_version_says_the_built_arch():
+    """kda_aot.__version__ is <version>+<arch of the built kernels> (build_info.py, written by build_ext)."""
+    import kda_aot
+    from kda_aot import _lib
+    arch = registry.library("conv1d_silu_fwd", "default").ARCH
+    assert _lib.ARCH == arch and kda_aot.__version__.endswith("+" + arch.replace("_", ""))

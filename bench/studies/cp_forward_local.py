@@ -16,8 +16,8 @@ import sys
 
 import torch
 
+from bench.packs import HEAD_DIM, PACKS
 from kda_aot import cp
-from kda_aot.bench.packs import HEAD_DIM, PACKS
 from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
 from kda_aot.fit import CP_PIECE_SENDERS_KNOB
 

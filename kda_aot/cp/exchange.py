@@ -16,6 +16,7 @@ Every function here must be called by all ranks of the group, in the same order.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from typing import Callable, Dict, Optional, Tuple
 
@@ -24,7 +25,7 @@ import torch
 from .plan import CPPlan, Fragment
 
 __all__ = ["resolve_group", "check_agreement", "post_agreement", "Agreement", "exchange", "exchange_flat",
-           "payload_layout", "gather", "gather_flat"]
+           "payload_layout", "gather", "gather_flat", "gather_json"]
 
 
 def resolve_group(group=None):
@@ -63,6 +64,18 @@ def gather_flat(mine: torch.Tensor, world: int, group) -> torch.Tensor:
     return out
 
 
+def gather_json(obj, world: int, group, device: torch.device) -> list:
+    """Collective: every rank's JSON-serialisable `obj`, in rank order, through two gather_flat calls
+    (the byte counts, then the bytes padded to the longest); all_gather_object would need numpy to
+    unpickle."""
+    data = json.dumps(obj, sort_keys=True).encode()
+    sizes = gather_flat(torch.tensor([len(data)], dtype=torch.int64, device=device), world, group).tolist()
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    everyone = gather_flat(mine.to(device), world, group).view(world, -1).cpu()
+    return [json.loads(bytes(row[:n].tolist())) for row, n in zip(everyone, sizes)]
+
+
 class Agreement:
     """A posted agreement check (post_agreement): the fingerprints' all_gather is queued; wait() reads
     it. In between the caller may queue LOCAL work only (no collective; nothing that a bad local
@@ -70,8 +83,8 @@ class Agreement:
     launch it into an idle GPU - session 10's CP2 timeline had 1.85 ms of such idle before the first
     conv of every step."""
 
-    def __init__(self, op, group, rank, world, local_error, described, table, ready):
-        self.op, self.group, self.rank, self.world = op, group, rank, world
+    def __init__(self, op, group, rank, world, device, local_error, described, table, ready):
+        self.op, self.group, self.rank, self.world, self.device = op, group, rank, world, device
         self.local_error, self.described = local_error, described
         self._table, self._ready = table, ready  # host table (pinned, filled when `ready` fires)
 
@@ -83,15 +96,13 @@ class Agreement:
     def wait(self):
         """Raises ValueError on every rank if any rank reported an error or the fingerprints differ
         (the message names the ranks and what differs). Returns (group, rank, world size)."""
-        import torch.distributed as dist
         if self._ready is not None:
             self._ready.synchronize()  # the gather and its copy only, not the work queued after them
         rows, world = self._table.tolist(), self.world  # plain ints: the torch ops took ~40 us of the host
         if any(r[0] for r in rows) or any(r[1:] != rows[0][1:] for r in rows):
-            # Every rank sees the same table, so every rank takes this branch: the object gather
+            # Every rank sees the same table, so every rank takes this branch: the reports' gather
             # below cannot hang.
-            reports = [None] * world
-            dist.all_gather_object(reports, (self.local_error, self.described), group=self.group)
+            reports = gather_json([self.local_error, self.described], world, self.group, self.device)
             lines = [f"rank {r}: {err}" for r, (err, _) in enumerate(reports) if err]
             for key in self.described:
                 values = [d.get(key) for _, d in reports]
@@ -125,7 +136,7 @@ def post_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(table.device))  # the copy's stream (like's device)
         table = host
-    return Agreement(op, group, rank, world, local_error, described, table, ready)
+    return Agreement(op, group, rank, world, device, local_error, described, table, ready)
 
 
 def check_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],

@@ -1,6 +1,6 @@
-"""python -m kda_aot.bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd]
+"""python -m bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd]
     [--walk-forms auto,full] [--no-fla] [--iters N] [--out DIR]
-torchrun --nproc-per-node W -m kda_aot.bench cp [--pack ...] [--heads 32] [--iters N] [--out DIR]"""
+torchrun --nproc-per-node W -m bench cp [--pack ...] [--heads 32] [--iters N] [--out DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["cp"]:  # context parallel: its own launcher (torchrun) and arguments
         from . import cp
         return cp.main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m kda_aot.bench")
+    p = argparse.ArgumentParser(prog="python -m bench")
     p.add_argument("suite", choices=("conv", "single"))
     p.add_argument("--pack", default="Q1", help="Q1[,Q2..] or all (Q1-Q6)")
     p.add_argument("--iters", type=int, default=20)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kda import chunk_kda, chunk_kda_fwd
+from kda_aot import chunk_kda
+from kda_aot.kda import chunk_kda_fwd
 from .common import interleaved, peak_gib, row, with_walk_form
 from .packs import HEAD_DIM, PACKS
 

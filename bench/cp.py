@@ -1,4 +1,4 @@
-"""Context-parallel benchmark (issue 4): `torchrun --nproc-per-node W -m kda_aot.bench cp`.
+"""Context-parallel benchmark (issue 4): `torchrun --nproc-per-node W -m bench cp` (from the checkout root).
 
 B1 = PackedKDA forward (conv halo exchange, conv1d + SiLU on q, k, v, KDA state passing and
 recurrence, communication included); B3 = forward + checkpoint replay + backward, the input
@@ -21,8 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import cp
-from ..nn import PackedKDA
+from kda_aot import cp
+from kda_aot.cp.exchange import gather_json
+from kda_aot.nn import PackedKDA
 from .common import round_order, row, with_env, with_walk_form, write_rows
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 
@@ -62,9 +63,7 @@ def _phases_by_rank(step, iters: int) -> list:
         mine = {name: round(sum(ms) / iters, 3) for name, ms in cp.phase_times().items()}
     finally:
         del os.environ["KDA_AOT_CP_TIMING"]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gather_json(mine, dist.get_world_size(), dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
 
 
 def fla_kda():
@@ -189,7 +188,7 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
 def main(argv=None) -> int:
     import argparse
     import json
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node W -m kda_aot.bench.cp")
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node W -m bench cp")
     p.add_argument("--pack", default=",".join(PACKS), help="Q1[,Q2..] or all (the default: Q1-Q6)")
     p.add_argument("--heads", type=int, default=HEADS_DEFAULT)
     p.add_argument("--iters", type=int, default=10)

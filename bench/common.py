@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: bench is not part of the installed package
+RESULTS = REPO / "bench" / "results"
 
 
 def commit() -> str:
@@ -87,7 +88,7 @@ def row(suite: str, **fields) -> dict:
 
 
 def write_rows(rows: list[dict], suite: str, out_dir: Path | None = None) -> Path:
-    out_dir = Path(out_dir or REPO / "bench" / "results")
+    out_dir = Path(out_dir or RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{suite}-{datetime.date.today().isoformat()}-{commit()}.jsonl"
     with path.open("a") as f:
