@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 CONV_WIDTH = 4
+G_FLOOR = -1000.0  # chunk_prepare's floor of g: exp of anything through it underflows to 0, like exp(-inf)
 
 CuSeqlens = Union[torch.Tensor, Sequence[int], None]
 
@@ -111,7 +112,9 @@ def chunk_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     with T = (I + L)^-1 Diag(beta), L_ij = beta_i sum_d k_id k_jd exp(Gam_id - Gam_jd), j < i.
     """
     H, C, K = k.shape
-    Gam = torch.cumsum(g, dim=1)
+    # Summed floored at -1000: any factor through such a token is exp(<= -1000) = 0 in fp64 and fp32, as
+    # with -inf (a reset), so the chunked form is the recurrence for every g <= 0 without -inf - -inf.
+    Gam = torch.cumsum(torch.clamp(g, min=G_FLOOR), dim=1)
     gam = Gam[:, -1, :]
 
     L = _chunk_akk(k, Gam, beta)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device call for the numerics work (issue 21), one call on nvidia-h200 (ends by CHECK_S, default 560 s):
+#   1. build in place (shipped and test-only records; with build/kobj carried only the bindings compile)
+#   2. bench/numerics.py: kda_aot and FLA 0.6.0 (from the carried .whl, when there) against the fp64
+#      reference on every case of issue 21 -> $OUT/numerics.jsonl, the table in $OUT/numerics.log
+#   3. the affected GPU tests: tests/test_kda_numerics_gpu.py (every gate value), test_kda_bwd_gpu.py,
+#      test_kda_fwd_gpu.py, test_cp_cuda.py (kcp_transfer, the summaries) -> $OUT/pytest_*.log
+#   4. Q1, H = 32 timings of kda_aot and FLA (forward, replay step), if time is left -> numerics.jsonl
+#   5. (STEPS=forms) bench/forms_ab.py bwd Q1 32: kda_bwd_chunk with dV' split (shipped) against plain_dvp
+# Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks.
+# Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl, build/kobj
+# (and .triton_autotune.tgz when there: FLA's autotuning otherwise takes minutes of a fresh machine).
+source "$(dirname "$0")/device_env.sh"
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+DEADLINE=$(( t0 + ${CHECK_S:-560} ))
+cap() { local left=$(( DEADLINE - $(date +%s) - 5 )); [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
+STEPS=${STEPS:-numerics tests timing}
+trap 'save_triton_cache' EXIT
+if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
+KDA_AOT_TEST_RECORDS=1 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+stamp build
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+python3 -c "import fla; print('fla', fla.__version__)" 2>/dev/null || echo "fla not installed: kda_aot rows only"
+for step in $STEPS; do
+  case $step in
+    numerics)
+      timeout -s INT -k 10 "$(cap 300)" python3 bench/numerics.py --out "$OUT" > "$OUT/numerics.log" 2>&1
+      stamp "numerics: $(tail -3 "$OUT/numerics.log" | tr '\n' ' ')" ;;
+    tests)
+      timeout -s INT -k 15 "$(cap 240)" python3 -m pytest -q -rs tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py \
+        tests/test_kda_fwd_gpu.py tests/test_cp_cuda.py > "$OUT/pytest_numerics.log" 2>&1
+      stamp "tests: $(tail -1 "$OUT/pytest_numerics.log")" ;;
+    forms)
+      timeout -s INT -k 10 "$(cap 180)" python3 bench/forms_ab.py bwd Q1 32 > "$OUT/forms_bwd.log" 2>&1
+      stamp "forms: $(tail -2 "$OUT/forms_bwd.log" | tr '\n' ' ')" ;;
+    timing)
+      timeout -s INT -k 10 "$(cap 120)" python3 bench/numerics.py --out "$OUT" --timing --only-timing > "$OUT/timing.log" 2>&1
+      stamp "timing: $(grep '^timing' "$OUT/timing.log" | tr '\n' ' ')" ;;
+  esac
+done
