@@ -69,7 +69,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         o, final, *context = _fake_forward(q, h0, cu_seqlens, output_final_state, save)
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
-        return (o, final, *context)
+        return (o, final, *(x.zero_() for x in context))
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=tables.segment_rows(h0),
                                         output_final_state=output_final_state, save_tape=save, out=out)
@@ -291,7 +291,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+        cu = torch.arange(B + 1, dtype=torch.int32, device="cpu") * T
         q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
         beta = beta.reshape(1, B * T, beta.shape[2])
     else:

@@ -90,6 +90,8 @@ def _segments(x, halo, cu_seqlens):
 def conv1d_silu_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], halo: Optional[torch.Tensor],
                        cu_seqlens: torch.Tensor, form: str) -> torch.Tensor:
     tables, halo = _segments(x, halo, cu_seqlens)
+    if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
+        return x.new_empty(x.shape)
     return conv1d_silu_forward(x.contiguous(), _f32(weight), _f32(bias), tables.cu, halo, form=form)
 
 
@@ -104,6 +106,10 @@ def conv1d_silu_bwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias or [0], dhalo or [0]) in the dtypes of x, weight, bias and halo."""
     tables, seg_halo = _segments(x, halo, cu_seqlens)
+    if tables.n_segments == 0:  # T = 0: no token, zero gradients
+        return (x.new_empty(x.shape), weight.new_zeros(weight.shape),
+                x.new_empty((0,)) if bias is None else bias.new_zeros(bias.shape),
+                halo.new_zeros(halo.shape) if need_dhalo and halo is not None else x.new_empty((0,)))
     dx, dw, db, dh = conv1d_silu_backward(x.contiguous(), _f32(weight), _f32(bias), tables.cu,
                                           dy.to(x.dtype).contiguous(), seg_halo,
                                           need_dhalo=need_dhalo and halo is not None, form=form)

@@ -19,8 +19,8 @@ from torch import nn
 from . import reference, registry
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
-from .cp.halo import CudaConv, ReferenceConv, _conv_cp, conv_facts
-from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_facts
+from .cp.halo import CudaConv, ReferenceConv, _check_tensors, _conv_cp
+from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
 from .norm import WIDTH, l2norm_torch
 
@@ -34,6 +34,13 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend != "auto":
         return backend
     return "cuda" if isinstance(x, torch.Tensor) and registry.serves(x.device) else "reference"
+
+
+def _as_tensor(cu_seqlens):
+    """Document boundaries given as a list: a CPU tensor (what the ops take; no host sync)."""
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens
+    return torch.tensor([int(c) for c in cu_seqlens], dtype=torch.int64)
 
 
 class PackedKDA(nn.Module):
@@ -93,10 +100,7 @@ class PackedKDA(nn.Module):
             from .conv import causal_conv1d_silu
 
             def conv(x, w, b, cu_seqlens, l2norm):
-                # a list or CPU tensor stays on the host: no copy, no sync (kda_aot.packing)
-                cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens,
-                                                                                        dtype=torch.int32)
-                return causal_conv1d_silu(x, w, b, cu_seqlens=cu, l2norm=l2norm)
+                return causal_conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, l2norm=l2norm)
             fused = self._fused_norm(backend)
             return conv, [CudaConv(l2norm=fused), CudaConv(l2norm=fused), CudaConv()]
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -125,9 +129,8 @@ class PackedKDA(nn.Module):
         dtype on the CUDA backend."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
         if plan is not None:
-            conv_facts([q, k, v], plan)
             group, _, _ = resolve_group(group)
-        return self._conv_qkv(q, k, v, cu_seqlens, plan, group, resolve_backend(self.backend, q))
+        return self._conv_qkv(q, k, v, _as_tensor(cu_seqlens), plan, group, resolve_backend(self.backend, q))
 
     def _conv_qkv(self, q, k, v, cu_seqlens, plan, group, backend, kda=None, op="PackedKDA.conv_qkv"):
         """conv_qkv (under CP: the agreement check, with the facts of the KDA call `kda` when given, then one
@@ -148,16 +151,23 @@ class PackedKDA(nn.Module):
             qc, kc = l2norm_torch(qc), l2norm_torch(kc)
         return qc, kc, vc
 
-    def forward(self, q, k, v, g, beta, *, cu_seqlens=None, plan: Optional[CPPlan] = None,
+    def forward(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None, plan: Optional[CPPlan] = None,
                 group=None, scale: Optional[float] = None,
                 initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False):
         """q, k, v [1, T, H * head_dim], g [1, T, H, head_dim] fp32 (log decay <= 0),
         beta [1, T, H]; with a plan, T is this rank's local token count (plan.token_map order).
-        Give cu_seqlens (single device) or plan (+ group; context parallel), not both.
+        Give cu_seqlens (single device: a tensor or a list; on the GPU, cu_seqlens_cpu, its CPU copy, spares
+        the host syncs that read it) or plan (+ group; context parallel), not both.
         Returns (o [1, T, H, head_dim] in q's dtype, final_state [N, H, head_dim, head_dim] or
         None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
+        cu_seqlens = _as_tensor(cu_seqlens)
+        if cu_seqlens_cpu is not None:
+            if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+                raise ValueError("cu_seqlens_cpu: expected the CPU copy of cu_seqlens (a CPU tensor)")
+            if cu_seqlens is None:
+                raise ValueError("cu_seqlens_cpu: give cu_seqlens too (cu_seqlens_cpu is its copy on the CPU)")
         backend = resolve_backend(self.backend, q)
         if backend == "cuda" and self.head_dim != 128:
             # before the conv and before any collective: every rank raises
@@ -165,10 +175,11 @@ class PackedKDA(nn.Module):
         if plan is not None:
             return self._forward_cp(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state,
                                     backend)
-        qc, kc, vc = self._conv_qkv(q, k, v, cu_seqlens, None, None, backend)
+        host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
+        qc, kc, vc = self._conv_qkv(q, k, v, host, None, None, backend)
         if backend == "cuda":
             from .chunk import chunk_kda
-            o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+            o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=host, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  backward=self.backward_mode)
             return o.to(q.dtype), final
@@ -191,8 +202,7 @@ class PackedKDA(nn.Module):
         else:
             backend = ReferenceBackend(torch.float64 if q.dtype == torch.float64 else torch.float32)
         heads = [x.reshape(1, T, H, Dh) for x in (q, k, v)]  # the shapes KDA gets (views: nothing computed)
-        backend, _, _, scale = kda_facts(*heads, g, beta, initial_state, plan, scale, self.backward_mode, backend)
-        conv_facts([q, k, v], plan)
+        backend, scale = kda_config(heads[0], plan, scale, self.backward_mode, backend)
         group, _, _ = resolve_group(group)
         qc, kc, vc = self._conv_qkv(q, k, v, None, plan, group, name,
                                     (g, beta, initial_state, scale, self.backward_mode, backend), "PackedKDA")

@@ -291,3 +291,16 @@ def test_compiled_cp_step_on_one_gpu_is_bitwise_eager(tmp_path, layout):
                 assert torch.equal(a, b)
     finally:
         dist.destroy_process_group()
+
+
+def test_module_on_a_pack_of_empty_documents():
+    """T = 0 (every document padding): PackedKDA's convs and KDA run nothing and return empty outputs, the
+    final state is the initial state, and the backward gives zero weight gradients."""
+    m = PackedKDA(2, 128, conv_bias=True).cuda()
+    xs = [torch.zeros(1, 0, 256, device="cuda", dtype=BF, requires_grad=True) for _ in range(3)]
+    h0 = torch.randn(2, 2, 128, 128, device="cuda", requires_grad=True)
+    o, s = m(*xs, torch.zeros(1, 0, 2, 128, device="cuda"), torch.zeros(1, 0, 2, device="cuda", dtype=BF),
+             cu_seqlens=torch.tensor([0, 0, 0]), initial_state=h0, output_final_state=True)
+    assert o.shape == (1, 0, 2, 128) and torch.equal(s, h0)
+    s.sum().backward()
+    assert torch.equal(h0.grad, torch.ones_like(h0)) and all(p.grad.abs().sum() == 0 for p in m.parameters())

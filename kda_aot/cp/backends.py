@@ -245,6 +245,17 @@ class CudaBackend:
                                   need_dtape=False)[1]  # the offset walk: no tape written
 
 
+def backend_name(backend) -> str:
+    """The string a CP op takes for a backend object: its spec (ours), else the key it is registered under
+    (kda_aot.cp.keys; once per object)."""
+    if type(backend) in (ReferenceBackend, CudaBackend):
+        return backend.spec
+    from . import keys
+    if "_kda_aot_key" not in backend.__dict__:
+        backend.__dict__["_kda_aot_key"] = f"object:{keys.register(backend)}"
+    return backend.__dict__["_kda_aot_key"]
+
+
 def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
     """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': 'cuda' when `like` (a
     tensor) is on a GPU the kernels serve, else 'reference'."""
@@ -252,6 +263,9 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
         from ..registry import serves
         backend = "cuda" if isinstance(like, torch.Tensor) and serves(like.device) else "reference"
     if isinstance(backend, str):
+        if backend.startswith("object:"):  # backend_name's key of a backend object
+            from . import keys
+            return keys.lookup(int(backend.split(":")[1]))
         if backend.startswith("reference:"):  # a ReferenceBackend's spec
             _, name, chunk = backend.split(":")
             return ReferenceBackend(getattr(torch, name), int(chunk))
@@ -263,7 +277,7 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
             return CudaBackend()
         raise ValueError(f"unknown backend {backend!r}: valid backends are 'auto', 'reference', 'cuda' "
                          f"(or a backend object, see kda_aot.cp.backends)")
-    for attr in ("summary", "forward", "backward", "state_dtype", "name", "spec"):
+    for attr in ("summary", "forward", "backward", "state_dtype", "name"):
         if not hasattr(backend, attr):
             raise TypeError(f"backend object {backend!r} lacks {attr!r} (see kda_aot.cp.backends)")
     return backend

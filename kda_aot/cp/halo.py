@@ -244,11 +244,12 @@ def conv_of(spec: str):
 
 
 class _ConvContext:
-    """What the CP conv's forward leaves for its backward (kda_aot.cp.keys holds it under the handle)."""
+    """What the CP conv's forward leaves for its backward (kda_aot.cp.keys holds it under the handle), its
+    tensors detached."""
 
     def __init__(self, plan, group, convs, xs, ws, bs, halos):
         self.plan, self.group, self.convs = plan, group, convs
-        self.xs, self.ws, self.bs, self.halos = xs, ws, bs, halos
+        self.xs, self.ws, self.bs, self.halos = keys.detached((xs, ws, bs, halos))
 
 
 def _kda_agreement_facts(xs, kda_g, kda_beta, kda_h0, plan, scale, backward, backend):
@@ -261,90 +262,98 @@ def _kda_agreement_facts(xs, kda_g, kda_beta, kda_h0, plan, scale, backward, bac
     return facts, problem
 
 
+# The biases travel as tensors (torch.library's autograd takes no None inside a tensor list): a missing one
+# as an empty placeholder, has_bias saying which.
+
 @torch.library.custom_op("kda_aot::conv1d_silu_cp_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
-def conv1d_silu_cp_fwd_op(xs: List[torch.Tensor], weights: List[torch.Tensor], biases: List[Optional[torch.Tensor]],
-                          plan: str, group: str, convs: str, op: str, kda_g: Optional[torch.Tensor],
-                          kda_beta: Optional[torch.Tensor], kda_h0: Optional[torch.Tensor], kda_scale: float,
-                          kda_backward: str, kda_backend: str) -> List[torch.Tensor]:
+def conv1d_silu_cp_fwd_op(xs: List[torch.Tensor], weights: List[torch.Tensor], biases: List[torch.Tensor],
+                          has_bias: List[bool], plan: torch.Tensor, group: str, convs: str, op: str,
+                          kda_g: Optional[torch.Tensor], kda_beta: Optional[torch.Tensor],
+                          kda_h0: Optional[torch.Tensor], kda_scale: float, kda_backward: str,
+                          kda_backend: str) -> List[torch.Tensor]:
     """Collective: the agreement check (with a KDA call's facts when kda_g is given: PackedKDA's one check),
     the halos in one exchange, the convs (convs: their specs, comma-separated). Returns [y_1, ..., y_n, the
     context handle]."""
-    plan_obj, group_obj = keys.plan_of(plan), keys.group_of(group)
+    plan_obj, group_obj = keys.lookup(plan), keys.group_of(group)
     conv_objs = [conv_of(c) for c in convs.split(",")]
-    facts, problem = conv_facts(xs, plan_obj)
-    if kda_g is not None:
-        kda, kda_problem = _kda_agreement_facts(xs, kda_g, kda_beta, kda_h0, plan_obj, kda_scale, kda_backward,
-                                                kda_backend)
-        facts, problem = {**facts, **kda}, problem or kda_problem
-    agreement = post_agreement(op, plan_obj, group_obj, facts, problem, xs[0])
-    tails = _published_tails(plan_obj, xs) if agreement.locally_ok else None
-    agreement.wait()
-    halos = _halos(plan_obj, group_obj, xs, tails)
-    if plan_obj.local_fragments:
-        ys = [conv.forward(x, w, b, plan_obj.local_cu_seqlens, h)
-              for conv, x, w, b, h in zip(conv_objs, xs, weights, biases, halos)]
-    else:  # no token here: empty outputs, and the backward still joins the collective
-        ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(conv_objs, xs)]
-    return [*ys, keys.stash(_ConvContext(plan_obj, group_obj, conv_objs, xs, weights, biases, halos))]
+    bs = [b if has else None for b, has in zip(biases, has_bias)]
+    with torch.autocast(xs[0].device.type, enabled=False):
+        facts, problem = conv_facts(xs, plan_obj)
+        if kda_g is not None:
+            kda, kda_problem = _kda_agreement_facts(xs, kda_g, kda_beta, kda_h0, plan_obj, kda_scale, kda_backward,
+                                                    kda_backend)
+            facts, problem = {**facts, **kda}, problem or kda_problem
+        agreement = post_agreement(op, plan_obj, group_obj, facts, problem, xs[0])
+        tails = _published_tails(plan_obj, xs) if agreement.locally_ok else None
+        agreement.wait()
+        halos = _halos(plan_obj, group_obj, xs, tails)
+        if plan_obj.local_fragments:
+            ys = [conv.forward(x, w, b, plan_obj.local_cu_seqlens, h).contiguous()
+                  for conv, x, w, b, h in zip(conv_objs, xs, weights, bs, halos)]
+        else:  # no token here: empty outputs, and the backward still joins the collective
+            ys = [x.new_zeros(1, 0, x.shape[-1], dtype=conv.out_dtype(x)) for conv, x in zip(conv_objs, xs)]
+    return [*ys, keys.stash(_ConvContext(plan_obj, group_obj, conv_objs, xs, weights, bs, halos))]
 
 
 @conv1d_silu_cp_fwd_op.register_fake
-def _(xs, weights, biases, plan, group, convs, op, kda_g, kda_beta, kda_h0, kda_scale, kda_backward, kda_backend):
+def _(xs, weights, biases, has_bias, plan, group, convs, op, kda_g, kda_beta, kda_h0, kda_scale, kda_backward,
+      kda_backend):
     return [*(x.new_empty(x.shape, dtype=conv_of(c).out_dtype(x)) for x, c in zip(xs, convs.split(","))),
-            torch.empty(1, dtype=torch.int64)]
+            torch.empty(1, dtype=torch.int64, device="cpu")]
 
 
 @torch.library.custom_op("kda_aot::conv1d_silu_cp_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def conv1d_silu_cp_bwd_op(handle: torch.Tensor, xs: List[torch.Tensor], weights: List[torch.Tensor],
-                          biases: List[Optional[torch.Tensor]], dys: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Collective: [dx_1..n, dweight_1..n, dbias_1..n ([0] where there is no bias)] of the forward behind
+                          biases: List[torch.Tensor], dys: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Collective: [dx_1..n, dweight_1..n, dbias_1..n (empty where there is no bias)] of the forward behind
     `handle`; the halo gradients return to their owners in one exchange."""
     ctx = keys.context_of(handle)
     plan, group = ctx.plan, ctx.group
-    if plan.local_fragments:
-        parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
-                 for conv, x, w, b, h, dy in zip(ctx.convs, ctx.xs, ctx.ws, ctx.bs, ctx.halos, dys)]
-    else:
-        parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
-                 for x, w, b, h in zip(ctx.xs, ctx.ws, ctx.bs, ctx.halos)]
-    # the halo gradients travel in fp32 at least and are added to the dx rows once, then rounded
-    dhalos = [p[3].to(torch.promote_types(p[3].dtype, torch.float32)) for p in parts]
-    back = _returned_halo_grads(plan, group, dhalos, [x.shape[-1] for x in ctx.xs], like=ctx.xs[0])
-    dxs = [p[0] for p in parts]
-    if back is not None:
-        rows, grads = back
-        first = 0
-        for dx in dxs:
-            d = dx.shape[-1]
-            add = grads[:, first:first + d]
-            dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
-            first += d
-    return [*dxs, *(p[1] for p in parts), *(x.new_empty((0,)) if p[2] is None else p[2] for x, p in zip(xs, parts))]
+    with torch.autocast(xs[0].device.type, enabled=False):
+        if plan.local_fragments:
+            parts = [conv.backward(x, w, b, plan.local_cu_seqlens, h, dy)
+                     for conv, x, w, b, h, dy in zip(ctx.convs, ctx.xs, ctx.ws, ctx.bs, ctx.halos, dys)]
+        else:
+            parts = [(torch.zeros_like(x), torch.zeros_like(w), None if b is None else torch.zeros_like(b), h)
+                     for x, w, b, h in zip(ctx.xs, ctx.ws, ctx.bs, ctx.halos)]
+        # the halo gradients travel in fp32 at least and are added to the dx rows once, then rounded
+        dhalos = [p[3].to(torch.promote_types(p[3].dtype, torch.float32)) for p in parts]
+        back = _returned_halo_grads(plan, group, dhalos, [x.shape[-1] for x in ctx.xs], like=ctx.xs[0])
+        dxs = [p[0].contiguous() for p in parts]
+        if back is not None:
+            rows, grads = back
+            first = 0
+            for dx in dxs:
+                d = dx.shape[-1]
+                add = grads[:, first:first + d]
+                dx[0].index_copy_(0, rows, (dx[0].index_select(0, rows).to(add.dtype) + add).to(dx.dtype))
+                first += d
+    return [*dxs, *(p[1].contiguous() for p in parts),
+            *(b.new_empty((0,)) if p[2] is None else p[2].contiguous() for b, p in zip(biases, parts))]
 
 
 @conv1d_silu_cp_bwd_op.register_fake
 def _(handle, xs, weights, biases, dys):
-    return [*(torch.empty_like(x) for x in xs), *(torch.empty_like(w) for w in weights),
-            *(x.new_empty((0,)) if b is None else torch.empty_like(b) for x, b in zip(xs, biases))]
+    return [*(x.new_empty(x.shape) for x in xs), *(w.new_empty(w.shape) for w in weights),
+            *(b.new_empty(b.shape) for b in biases)]
 
 
 def _conv_setup_context(ctx, inputs, output):
-    xs, weights, biases = inputs[:3]
-    ctx.n = len(xs)
-    ctx.has_bias = [b is not None for b in biases]
-    ctx.save_for_backward(output[-1], *xs, *weights, *(b for b in biases if b is not None))
+    xs, weights, biases, has_bias = inputs[:4]
+    ctx.n, ctx.has_bias = len(xs), list(has_bias)
+    ctx.save_for_backward(output[-1], *xs, *weights, *biases)
     ctx.mark_non_differentiable(output[-1])
+    keys.adopt(ctx, output[-1])
 
 
 def _conv_backward(ctx, grads):
     handle, *saved = ctx.saved_tensors
     n = ctx.n
-    xs, ws, rest = saved[:n], saved[n:2 * n], iter(saved[2 * n:])
-    bs = [next(rest) if has else None for has in ctx.has_bias]
+    xs, ws, bs = saved[:n], saved[n:2 * n], saved[2 * n:]
     dys = [torch.zeros_like(x) if dy is None else dy for x, dy in zip(xs, grads[:n])]
-    out = conv1d_silu_cp_bwd_op(handle, list(xs), list(ws), bs, dys)
+    out = conv1d_silu_cp_bwd_op(keys.handle_for(ctx, handle), list(xs), list(ws), list(bs), dys)
     dbs = [db if has else None for db, has in zip(out[2 * n:], ctx.has_bias)]
-    return (list(out[:n]), list(out[n:2 * n]), dbs) + (None,) * 10
+    return (list(out[:n]), list(out[n:2 * n]), dbs) + (None,) * 11
 
 
 conv1d_silu_cp_fwd_op.register_autograd(_conv_backward, setup_context=_conv_setup_context)
@@ -353,11 +362,20 @@ conv1d_silu_cp_fwd_op.register_autograd(_conv_backward, setup_context=_conv_setu
 def _conv_cp(xs, weights, biases, plan: CPPlan, group, convs, op: str, kda=None):
     """The CP conv through its op: the ys. kda: (g, beta, initial_state, scale, backward, backend object) of a
     KDA call whose facts join this call's agreement check (PackedKDA)."""
+    from .backends import backend_name
     g, beta, h0, scale, mode, backend = kda if kda is not None else (None, None, None, 0.0, "replay", None)
-    out = conv1d_silu_cp_fwd_op(list(xs), list(weights), list(biases), plan.op_key, group.group_name,
-                                ",".join(c.spec for c in convs), op, g, beta, h0, float(scale), mode,
-                                "" if backend is None else backend.spec)
+    placeholders = [b if b is not None else x.new_empty((0,)) for x, b in zip(xs, biases)]
+    out = conv1d_silu_cp_fwd_op(list(xs), list(weights), placeholders, [b is not None for b in biases],
+                                plan.key_tensor, group.group_name, ",".join(c.spec for c in convs), op, g, beta,
+                                h0, float(scale), mode, "" if backend is None else backend_name(backend))
     return out[:-1]
+
+
+def _check_tensors(xs) -> None:
+    """Type errors raise here, before any collective, on every rank alike (the rest is conv_facts, in the op)."""
+    for x in xs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
 
 
 def conv_facts(xs: Sequence[torch.Tensor], plan: CPPlan) -> Tuple[dict, Optional[str]]:
@@ -387,33 +405,36 @@ def conv_halo(x_local: torch.Tensor, plan: CPPlan, group=None) -> torch.Tensor:
     must reach the loss on EVERY rank, including a rank that holds no token (whose halo is
     [0, 3, D]). conv1d_silu_cp is this and the conv in one node (what the module uses).
     """
-    conv_facts([x_local], plan)  # type errors raise here, on every rank alike
+    _check_tensors([x_local])
     group, _, _ = resolve_group(group)
-    return conv_halo_cp_fwd_op(x_local, plan.op_key, group.group_name)
+    return conv_halo_cp_fwd_op(x_local, plan.key_tensor, group.group_name)[0]
 
 
 @torch.library.custom_op("kda_aot::conv_halo_cp_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
-def conv_halo_cp_fwd_op(x: torch.Tensor, plan: str, group: str) -> torch.Tensor:
-    """Collective: the agreement check, then the halo [n_local, 3, D] in one exchange."""
-    plan_obj, group_obj = keys.plan_of(plan), keys.group_of(group)
+def conv_halo_cp_fwd_op(x: torch.Tensor, plan: torch.Tensor, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collective: the agreement check, then (the halo [n_local, 3, D] in one exchange, the context handle)."""
+    plan_obj, group_obj = keys.lookup(plan), keys.group_of(group)
     facts, problem = conv_facts([x], plan_obj)
     agreement = post_agreement("conv_halo", plan_obj, group_obj, facts, problem, x)
     tails = _published_tails(plan_obj, [x]) if agreement.locally_ok else None
     agreement.wait()
-    return _halos(plan_obj, group_obj, [x], tails)[0]
+    halo = _halos(plan_obj, group_obj, [x], tails)[0].contiguous()
+    return halo, keys.stash((plan_obj, group_obj))
 
 
 @conv_halo_cp_fwd_op.register_fake
 def _(x, plan, group):
-    return x.new_empty((len(keys.plan_of(plan).local_fragments), HALO, x.shape[-1]))
+    # the row count depends on the plan: a size the fake cannot know
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((rows, HALO, x.shape[-1])), torch.empty(1, dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("kda_aot::conv_halo_cp_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
-def conv_halo_cp_bwd_op(dhalo: torch.Tensor, x: torch.Tensor, plan: str, group: str) -> torch.Tensor:
+def conv_halo_cp_bwd_op(handle: torch.Tensor, dhalo: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Collective: dx (x's shape) of the halo: each halo row's gradient back on its owner's tail token."""
-    plan_obj, group_obj = keys.plan_of(plan), keys.group_of(group)
+    plan, group = keys.context_of(handle)
     dx = dhalo.new_zeros(x.shape)
-    back = _returned_halo_grads(plan_obj, group_obj, [dhalo], [x.shape[-1]], like=dhalo)
+    back = _returned_halo_grads(plan, group, [dhalo.contiguous()], [x.shape[-1]], like=dhalo)
     if back is not None:
         rows, grads = back
         dx[0].index_copy_(0, rows, grads)
@@ -421,18 +442,19 @@ def conv_halo_cp_bwd_op(dhalo: torch.Tensor, x: torch.Tensor, plan: str, group: 
 
 
 @conv_halo_cp_bwd_op.register_fake
-def _(dhalo, x, plan, group):
+def _(handle, dhalo, x):
     return dhalo.new_empty(x.shape)
 
 
 def _halo_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-    ctx.keys = inputs[1:]
+    ctx.save_for_backward(output[1], inputs[0])
+    ctx.mark_non_differentiable(output[1])
+    keys.adopt(ctx, output[1])
 
 
-def _halo_backward(ctx, dhalo):
-    (x,) = ctx.saved_tensors
-    return conv_halo_cp_bwd_op(dhalo.contiguous(), x, *ctx.keys), None, None
+def _halo_backward(ctx, dhalo, _):
+    handle, x = ctx.saved_tensors
+    return conv_halo_cp_bwd_op(keys.handle_for(ctx, handle), dhalo, x), None, None
 
 
 conv_halo_cp_fwd_op.register_autograd(_halo_backward, setup_context=_halo_setup_context)
@@ -452,7 +474,9 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
     """
     single = isinstance(xs, torch.Tensor)
     xs, weights, biases, convs = conv_arguments(xs, weights, biases, conv)
-    conv_facts(xs, plan)  # type errors raise here, on every rank alike
+    _check_tensors(xs)
+    if not isinstance(plan, CPPlan):
+        raise TypeError(f"plan: expected a kda_aot.cp.CPPlan (see kda_aot.cp.make_plan), got {type(plan).__name__}")
     group, _, _ = resolve_group(group)
     ys = _conv_cp(xs, weights, biases, plan, group, convs, "conv1d_silu_cp")
     return ys[0] if single else list(ys)

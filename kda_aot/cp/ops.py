@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from ..packing import PLANNED_FROM_HOST
 from . import keys
-from .backends import get_backend
+from .backends import backend_name, get_backend
 from .exchange import check_agreement, exchange, resolve_group
 from .plan import CPPlan
 from .summaries import (backward_payload_size, compose_entering_states, compose_exit_grads,
@@ -168,14 +168,19 @@ def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, k
 
 
 class _Context:
-    """What the CP forward leaves for its backward (held under the op's handle: kda_aot.cp.keys)."""
+    """What the CP forward leaves for its backward (held under the op's handle: kda_aot.cp.keys), its
+    tensors detached."""
 
     def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
+        self.saved_tensors = keys.detached(tensors)
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, keys.detached(value))
 
 
 def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):
     """The CP forward (collective): (o, final_state or [0]); fills ctx for _cp_backward."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the kernels read them densely
     H, K, V = q.shape[2], q.shape[3], v.shape[-1]
     sd = backend.state_dtype
     local = plan.local_fragments
@@ -278,9 +283,12 @@ def _cp_backward(ctx, do, dfinal):
     sd = backend.state_dtype
     local = plan.local_fragments
     if mode == "saved":
+        if ctx.lctx is None and plan.local_fragments:
+            raise RuntimeError("chunk_kda_cp(backward='saved'): the saved context went with the first backward; "
+                               "backward='replay' can run a backward again (retain_graph=True)")
         (states,) = ctx.saved_tensors
         lctx, M_local = ctx.lctx, ctx.M_local
-        ctx.lctx = ctx.M_local = None          # free the graph as soon as possible
+        ctx.lctx = ctx.M_local = None          # free the saved context as soon as possible
     device = do.device
     # Exit-state gradients known locally: the final-state gradient of documents that end here.
     known = torch.zeros(len(local), H, K, V, dtype=sd, device=device)
@@ -370,37 +378,35 @@ def _cp_backward(ctx, do, dfinal):
 
 # ---------------------------------------------------------------------------- the custom ops
 # kda_aot::chunk_kda_cp_fwd / _bwd: the op's forward and backward as torch.library custom ops (so that
-# torch.compile traces a CP step into one graph); the plan, the group and the backend travel as the
-# strings kda_aot.cp.keys resolves, the forward's context as a handle tensor.
-
-def _fake_outputs(q, v, initial_state, plan, output_final_state, backend):
-    plan, sd = keys.plan_of(plan), get_backend(backend).state_dtype
-    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
-    final = (q.new_empty((plan.num_docs, H, K, V), dtype=sd) if output_final_state
-             else q.new_empty((0,), dtype=sd))
-    return q.new_empty((1, q.shape[1], H, V)), final, torch.empty(1, dtype=torch.int64)
-
+# torch.compile traces a CP step into one graph); the plan travels as its key tensor, the group and the
+# backend as strings (kda_aot.cp.keys), the forward's context as a handle tensor. The implementations run
+# with autocast off: the summaries' compositions are fp32 products by design.
 
 @torch.library.custom_op("kda_aot::chunk_kda_cp_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_cp_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        initial_state: Optional[torch.Tensor], plan: str, group: str, scale: float,
-                        output_final_state: bool, backward: str, backend: str, agree: bool
+                        initial_state: Optional[torch.Tensor], plan: torch.Tensor, num_docs: int, group: str,
+                        scale: float, output_final_state: bool, backward: str, backend: str, agree: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Collective: (o, final_state or [0], the context handle). agree: check the ranks' agreement first
-    (else the caller did: PackedKDA's one check)."""
-    plan_obj, group_obj, backend_obj = keys.plan_of(plan), keys.group_of(group), get_backend(backend)
-    if agree:
-        _, facts, problem, _ = kda_facts(q, k, v, g, beta, initial_state, plan_obj, scale, backward, backend_obj)
-        check_agreement("chunk_kda_cp", plan_obj, group_obj, facts, problem, q)
-    ctx = _Context()
-    o, final = _cp_forward(ctx, q, k, v, g, beta, initial_state, plan_obj, group_obj, scale, output_final_state,
-                           backward, backend_obj)
-    return o, final, keys.stash(ctx)
+    """Collective: (o, final_state [num_docs, H, K, V] or [0], the context handle). agree: check the ranks'
+    agreement first (else the caller did: PackedKDA's one check)."""
+    plan_obj, group_obj, backend_obj = keys.lookup(plan), keys.group_of(group), get_backend(backend)
+    with torch.autocast(q.device.type, enabled=False):
+        if agree:
+            _, facts, problem, _ = kda_facts(q, k, v, g, beta, initial_state, plan_obj, scale, backward,
+                                             backend_obj)
+            check_agreement("chunk_kda_cp", plan_obj, group_obj, facts, problem, q)
+        ctx = _Context()
+        o, final = _cp_forward(ctx, q, k, v, g, beta, initial_state, plan_obj, group_obj, scale,
+                               output_final_state, backward, backend_obj)
+    return o.contiguous(), final, keys.stash(ctx)
 
 
 @chunk_kda_cp_fwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, plan, group, scale, output_final_state, backward, backend, agree):
-    return _fake_outputs(q, v, initial_state, plan, output_final_state, backend)
+def _(q, k, v, g, beta, initial_state, plan, num_docs, group, scale, output_final_state, backward, backend, agree):
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    sd = get_backend(backend).state_dtype
+    final = q.new_empty((num_docs, H, K, V), dtype=sd) if output_final_state else q.new_empty((0,), dtype=sd)
+    return q.new_empty((1, q.shape[1], H, V)), final, torch.empty(1, dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_cp_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
@@ -410,14 +416,15 @@ def chunk_kda_cp_bwd_op(handle: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collective: (dq, dk, dv, dg, dbeta, d_initial_state or [0]) of the forward behind `handle`
     (q ... initial_state: the forward's inputs, for the gradients' shapes)."""
-    grads = _cp_backward(keys.context_of(handle), do, dfinal_state)
-    return (*grads[:5], q.new_empty((0,)) if grads[5] is None else grads[5])
+    with torch.autocast(q.device.type, enabled=False):
+        grads = _cp_backward(keys.context_of(handle), do, dfinal_state)
+    return (*(x.contiguous() for x in grads[:5]), q.new_empty((0,)) if grads[5] is None else grads[5].contiguous())
 
 
 @chunk_kda_cp_bwd_op.register_fake
 def _(handle, q, k, v, g, beta, initial_state, do, dfinal_state):
-    dh0 = q.new_empty((0,)) if initial_state is None else torch.empty_like(initial_state)
-    return (*(torch.empty_like(x) for x in (q, k, v, g, beta)), dh0)
+    dh0 = q.new_empty((0,)) if initial_state is None else initial_state.new_empty(initial_state.shape)
+    return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -426,14 +433,15 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(output[2], q, k, v, g, beta, initial_state)
     ctx.mark_non_differentiable(output[2])
+    keys.adopt(ctx, output[2])
 
 
 def _backward(ctx, do, dfinal_state, _):
     handle, q, k, v, g, beta, h0 = ctx.saved_tensors
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
-    grads = chunk_kda_cp_bwd_op(handle, q, k, v, g, beta, h0, do, dfinal_state)
-    return (*grads[:5], grads[5] if ctx.has_initial_state else None) + (None,) * 7
+    grads = chunk_kda_cp_bwd_op(keys.handle_for(ctx, handle), q, k, v, g, beta, h0, do, dfinal_state)
+    return (*grads[:5], grads[5] if ctx.has_initial_state else None) + (None,) * 8
 
 
 chunk_kda_cp_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -464,10 +472,24 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     final_state), including a rank that holds no token (its o is [1, 0, H, V]), in the same
     order as the other ranks' CP calls.
     """
-    backend, _, _, scale = kda_facts(q, k, v, g, beta, initial_state, plan, scale, backward, backend)
+    backend, scale = kda_config(q, plan, scale, backward, backend)
     group, _, _ = resolve_group(group)
     return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
                   agree=True)
+
+
+def kda_config(q, plan: CPPlan, scale, backward: str, backend):
+    """(backend object, scale) of a chunk_kda_cp call, raising on arguments that are wrong on every rank alike
+    (mode, plan type, backend); reads nothing of the plan (torch.compile would guard on it): its facts are
+    checked inside the op (kda_facts, check_agreement)."""
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
+    if not isinstance(plan, CPPlan):
+        raise TypeError(f"plan: expected a kda_aot.cp.CPPlan (see kda_aot.cp.make_plan), "
+                        f"got {type(plan).__name__}")
+    backend = get_backend(backend, like=q)
+    K = q.shape[3] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    return backend, (K ** -0.5 if scale is None and K else scale)
 
 
 def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: str, backend):
@@ -502,7 +524,7 @@ def _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_sta
     # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing.
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    o, final, _ = chunk_kda_cp_fwd_op(q, k, v, g, beta, initial_state, plan.op_key, group.group_name, float(scale),
-                                      bool(output_final_state), backward if needs_grad else "replay", backend.spec,
-                                      agree)
+    o, final, _ = chunk_kda_cp_fwd_op(q, k, v, g, beta, initial_state, plan.key_tensor, plan.num_docs,
+                                      group.group_name, float(scale), bool(output_final_state),
+                                      backward if needs_grad else "replay", backend_name(backend), agree)
     return o, (final if output_final_state else None)

@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from .._tensor import check_cu_seqlens
-from .keys import register_plan
+from . import keys
 
 __all__ = ["LAYOUTS", "CHUNK", "Fragment", "CPPlan", "make_plan"]
 
@@ -85,12 +85,13 @@ class CPPlan:
                 f" (T = {self.total_tokens}, {self.num_docs} documents)")
 
     def __post_init__(self):
-        # the name the CP custom ops know this plan by (kda_aot.cp.keys); not a field: plans compare by value
-        object.__setattr__(self, "op_key", register_plan(self))
+        # the key the CP custom ops know this plan by, as the tensor they take (kda_aot.cp.keys); not fields:
+        # plans compare by value
+        object.__setattr__(self, "key_tensor", keys.key_tensor(keys.register(self)))
 
     def __getstate__(self):
         # the memo's device tables stay with the process that made them (and its cached digest is cheap)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_memo", "digest", "op_key")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_memo", "digest", "key_tensor")}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
