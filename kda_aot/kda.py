@@ -43,7 +43,7 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
     tables = tables_of(cu_seqlens, T, q.device)
     N = tables.n_segments
     if initial_state is not None and tuple(initial_state.shape) != (N, H, HEAD_DIM, HEAD_DIM):
-        rows = "" if N == tables.n_docs else f" (one row per non-empty document: kda_aot.chunk_kda maps documents)"
+        rows = "" if N == tables.n_docs else " (one row per non-empty document: kda_aot.chunk_kda maps documents)"
         raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128]{rows}, got {list(initial_state.shape)}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:

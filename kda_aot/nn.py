@@ -19,7 +19,7 @@ from torch import nn
 from . import reference, registry
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
-from .cp.halo import CudaConv, ReferenceConv, _check_tensors, _conv_cp
+from .cp.halo import CudaConv, ReferenceConv, _conv_cp
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
 from .norm import WIDTH, l2norm_torch
@@ -30,10 +30,8 @@ BACKENDS = ("auto", "reference", "cuda")
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """"auto": "cuda" for a tensor on a GPU the kernels serve, else "reference"."""
-    if backend != "auto":
-        return backend
-    return "cuda" if isinstance(x, torch.Tensor) and registry.serves(x.device) else "reference"
+    """The backend a call runs on: "auto" resolves by the inputs (kda_aot.registry.auto_backend)."""
+    return registry.auto_backend(x) if backend == "auto" else backend
 
 
 def _as_tensor(cu_seqlens):
@@ -50,7 +48,7 @@ class PackedKDA(nn.Module):
     q/k/v_conv_bias [H * head_dim] with conv_bias=True), the layout of
     flash-linear-attention's causal_conv1d.
     backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
-    backend: "auto" (per call: "cuda" for inputs on a GPU the kernels serve, else "reference") |
+    backend: "auto" (per call: "cuda" for bf16 inputs on a GPU the kernels serve, else "reference") |
     "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
     "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.kda, single
     device or through the CUDA backend of kda_aot.cp; head_dim must be 128).

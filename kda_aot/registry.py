@@ -121,3 +121,9 @@ def serves(device) -> bool:
         return False
     arch = CAPABILITY_ARCH.get(torch.cuda.get_device_capability(device))
     return arch is not None and any(r["arch"] == arch and r["shipped"] for r in records())
+
+
+def auto_backend(x) -> str:
+    """What backend="auto" picks for inputs like x: "cuda" (the kernels) for a bf16 tensor on a GPU they
+    serve, else "reference"."""
+    return "cuda" if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and serves(x.device) else "reference"

@@ -257,11 +257,10 @@ def backend_name(backend) -> str:
 
 
 def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
-    """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': 'cuda' when `like` (a
-    tensor) is on a GPU the kernels serve, else 'reference'."""
+    """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': kda_aot.registry.auto_backend(like)."""
     if backend == "auto":
-        from ..registry import serves
-        backend = "cuda" if isinstance(like, torch.Tensor) and serves(like.device) else "reference"
+        from ..registry import auto_backend
+        backend = auto_backend(like)
     if isinstance(backend, str):
         if backend.startswith("object:"):  # backend_name's key of a backend object
             from . import keys

@@ -465,8 +465,7 @@ def conv1d_silu_cp(xs, weights, biases=None, *, plan: CPPlan, group=None, conv="
 
     xs: one [1, T_local, D] tensor or a list of them (same dtype and device; e.g. q, k and v),
     weights / biases: one per x ([D, 4], [D] or None). The halos of all of them travel in one
-    all_gather, their gradients back in one more. conv: "auto" ("cuda" for bf16 inputs on a GPU the
-    kernels serve, else "reference"), "reference" (kda_aot.reference in x's dtype), "cuda" (the kernels,
+    all_gather, their gradients back in one more. conv: "auto" (kda_aot.registry.auto_backend), "reference" (kda_aot.reference in x's dtype), "cuda" (the kernels,
     bf16), a ReferenceConv or CudaConv, or a list of them, one per x (PackedKDA: CudaConv(l2norm=True)
     for q and k). Returns y (or the list of y's) [1, T_local, D]. A rank that holds no token returns
     empty results that must still reach the loss (the backward is collective). The ranks' agreement is
@@ -491,8 +490,8 @@ def conv_arguments(xs, weights, biases, conv):
     if len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(weights)} weights and {len(biases)} biases")
     if isinstance(conv, str) and conv == "auto":
-        from ..registry import serves
-        conv = "cuda" if xs[0].dtype == torch.bfloat16 and serves(xs[0].device) else "reference"
+        from ..registry import auto_backend
+        conv = auto_backend(xs[0])
     conv = conv_of(conv) if isinstance(conv, str) else conv
     convs = list(conv) if isinstance(conv, (list, tuple)) else [conv] * len(xs)
     if len(convs) != len(xs):

@@ -458,7 +458,7 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     initial_state: [N, H, K, V] (one row per global document) or None; only the rows of the
     documents whose first fragment is on this rank are read.
     scale: defaults to K ** -0.5. backward: "replay" | "saved" (bitwise-equal gradients).
-    backend: "auto" ("cuda" for tensors on a GPU the kernels serve, else "reference") | "reference"
+    backend: "auto" (kda_aot.registry.auto_backend: the kernels for bf16 tensors on a GPU they serve) | "reference"
     (kda_aot.reference in fp32) | "cuda" (the kernels) | a backend object.
 
     Returns (o [1, T_local, H, V] in q's dtype, final_state or None). final_state is
@@ -494,18 +494,11 @@ def kda_config(q, plan: CPPlan, scale, backward: str, backend):
 
 def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: str, backend):
     """(backend object, facts every rank must agree on, this rank's problem or None, scale) of a
-    chunk_kda_cp call; raises on arguments that are wrong on every rank alike (mode, plan type)."""
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
-    backend = get_backend(backend, like=q)
-    if not isinstance(plan, CPPlan):
-        raise TypeError(f"plan: expected a kda_aot.cp.CPPlan (see kda_aot.cp.make_plan), "
-                        f"got {type(plan).__name__}")
+    chunk_kda_cp call (kda_config, then the plan's checks); raises as kda_config does."""
+    backend, scale = kda_config(q, plan, scale, backward, backend)
     problem = _validate(q, k, v, g, beta, initial_state, plan)
     shape = tuple(q.shape) if isinstance(q, torch.Tensor) else ()
-    K = shape[3] if len(shape) == 4 else 0
-    scale = K ** -0.5 if scale is None and K else scale
-    facts = {"H": shape[2] if len(shape) == 4 else None, "K": K or None,
+    facts = {"H": shape[2] if len(shape) == 4 else None, "K": shape[3] if len(shape) == 4 else None,
              "V": v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else None,
              "scale": float(scale) if scale is not None else None,
              "state dtype": backend.state_dtype, "backend": backend.name}
