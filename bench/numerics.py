@@ -27,7 +27,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,19 +35,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import commit  # noqa: E402
 from kda_aot import chunk_kda, reference  # noqa: E402
 
 D = 128
 OUTPUTS = ("o", "dq", "dk", "dv", "dg", "dbeta", "final_state", "dh0")
 Q1 = [101377, 40961, 77777, 29741]
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def pack(seed: int) -> list:
@@ -247,6 +239,7 @@ def main(argv=None):
     ap.add_argument("--only-timing", action="store_true", help="the timings alone (no cases)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--seed", type=int, default=2101)
+    ap.add_argument("--heads", type=int, nargs="*", default=[32, 4], help="which H's cases, in this order")
     a = ap.parse_args(argv)
     fla = None if a.no_fla else fla_op()
     base = dict(gpu=torch.cuda.get_device_name(), commit=commit(), date=datetime.date.today().isoformat())
@@ -258,7 +251,9 @@ def main(argv=None):
     lens_by_h = {4: pack(a.seed), 32: pack(a.seed + 1)}
     print(f"fla: {'yes' if fla is not None else 'not installed'}; packs {lens_by_h}", flush=True)
     print(f"{'case':34s} {'arm':20s} " + " ".join(f"{n:>9s}" for n in OUTPUTS), flush=True)
-    for i, (name, H, kind, beta_max, init) in enumerate([] if a.only_timing else cases(a.quick)):
+    todo = [] if a.only_timing else [c for h in a.heads for c in enumerate(cases(a.quick)) if c[1][1] == h]
+    for i, (name, H, kind, beta_max, init) in todo:
+        t_case = time.time()
         x = make_case(lens_by_h[H], H, kind, beta_max, init, a.seed * 1000 + i)
         finite_g = bool(torch.isfinite(x["g"]).all())
         ref = ref_chunked(x)
@@ -283,6 +278,7 @@ def main(argv=None):
             cells = " ".join(f"{row[n]:9.2e}" if isinstance(row.get(n), float) else f"{str(row.get(n, '-')):>9s}"
                              for n in OUTPUTS)
             print(f"{name:34s} {arm:20s} {cells}", flush=True)
+        print(f"  ({time.time() - t_case:.1f} s)", flush=True)
         del x, ref
         torch.cuda.empty_cache()
     if a.timing:

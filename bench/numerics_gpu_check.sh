@@ -7,6 +7,8 @@
 #      test_kda_fwd_gpu.py, test_cp_cuda.py (kcp_transfer, the summaries) -> $OUT/pytest_*.log
 #   4. Q1, H = 32 timings of kda_aot and FLA (forward, replay step), if time is left -> numerics.jsonl
 #   5. (STEPS=forms) bench/forms_ab.py bwd Q1 32: kda_bwd_chunk with dV' split (shipped) against plain_dvp
+#   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
+#   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
 # Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks.
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl, build/kobj
 # (and .triton_autotune.tgz when there: FLA's autotuning otherwise takes minutes of a fresh machine).
@@ -33,6 +35,15 @@ for step in $STEPS; do
     forms)
       timeout -s INT -k 10 "$(cap 180)" python3 bench/forms_ab.py bwd Q1 32 > "$OUT/forms_bwd.log" 2>&1
       stamp "forms: $(tail -2 "$OUT/forms_bwd.log" | tr '\n' ' ')" ;;
+    profile)
+      timeout -s INT -k 10 "$(cap 90)" python3 bench/profile_kda.py Q1 32 > "$OUT/profile.log" 2>&1
+      stamp "profile: $(grep -E 'kda_bwd_gate|kda_bwd_chunk|kda_fwd_chunk' "$OUT/profile.log" | head -4 | tr -s ' ' | tr '\n' ';')" ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout -s INT -k 10 "$(cap 120)" compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py \
+          > "$OUT/sanitizer_$tool.log" 2>&1
+        stamp "compute-sanitizer $tool exit $? $(tail -1 "$OUT/sanitizer_$tool.log")"
+      done ;;
     timing)
       timeout -s INT -k 10 "$(cap 120)" python3 bench/numerics.py --out "$OUT" --timing --only-timing > "$OUT/timing.log" 2>&1
       stamp "timing: $(grep '^timing' "$OUT/timing.log" | tr '\n' ' ')" ;;

@@ -187,17 +187,24 @@ RECORDS: tuple[Record, ...] = (
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
     # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,
     # prefetch 15.40, wide 15.46; prefetch is bitwise equal to default (GPU tests), so it ships.
-    Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
+    Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True, "dvp_split": True},
            select="always (the plain-product half of the chunk-parallel backward): the fp32 state tapes read "
                   "eight rows per warp at a time, loads issued before use",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
-    Record(program="kda_bwd_chunk", form="wide", params={"threads": 512, "prefetch": True},
+    # dV' as bf16 alone in dW and dRv (the shipped forms take it as hi + lo: dv 2.9e-3 -> 2.5e-3, dbeta_v's part
+    # of dbeta likewise, emulated): kept to measure what the split costs (bench/forms_ab.py bwd).
+    Record(program="kda_bwd_chunk", form="plain_dvp", params={"threads": 256, "prefetch": True, "dvp_split": False},
+           select="tests and benchmarks only: `prefetch` with dV' rounded to bf16 once for dW and dRv (another rounding: "
+                  "fp64 bounds, not bitwise)",
+           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
+           shipped=False),
+    Record(program="kda_bwd_chunk", form="wide", params={"threads": 512, "prefetch": True, "dvp_split": True},
            select="tests and benchmarks only (measured: no faster than prefetch, 15.46 vs 15.40 ms): sixteen warps (4 row blocks x 4 "
                   "column groups) in the same shared memory, tapes prefetched; bitwise equal to it except dbeta_v "
                   "(its partial sums regroup: fp32 rounding)",
            grid="(n_chunks, H) CTAs of 512 threads; warp w = (rows 16 (w % 4) .., column quarter w / 4)",
            shipped=False),
-    Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False},
+    Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False, "dvp_split": True},
            select="tests and benchmarks only: the tapes read as they are used; kept to check `prefetch` "
                   "bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",

@@ -122,7 +122,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
 # Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
 # test-only records measured against it (bench/forms_ab.py).
 CHUNK_FORMS = ("lean", "lean_early_gate", "balanced", "default")          # kda_fwd_chunk
-BWD_CHUNK_FORMS = ("prefetch", "default", "wide")                         # kda_bwd_chunk
+BWD_CHUNK_FORMS = ("prefetch", "default", "wide", "plain_dvp")            # kda_bwd_chunk
 GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")  # kda_bwd_gate
 
 
@@ -496,7 +496,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
 def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
-    drk, dqg, dkg, daqk, dakk (bf16) and dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
+    drk, dqg, daqk, dakk (bf16) and dkg, daqk_diag, dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
     form: one of BWD_CHUNK_FORMS (default: KDA_AOT_BWD_CHUNK_FORM, else the shipped one)."""
     form = _pick_form("bwd_chunk_form", form, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
@@ -504,7 +504,7 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
-_BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s")
+_BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s")
 
 
 def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
@@ -519,8 +519,9 @@ def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
                                          "akk_inv", "beta", "tape")}
     t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
              drk=torch.empty(1, T, H, HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, HEAD_DIM, **bf16),
-             dkg=torch.empty(1, T, H, HEAD_DIM, **bf16), daqk=torch.empty(1, T, H, CHUNK, **bf16),
-             dakk=torch.empty(1, T, H, CHUNK, **bf16), dbeta_v=torch.empty(1, T, H, **f32),
+             dkg=torch.empty(1, T, H, HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
+             dakk=torch.empty(1, T, H, CHUNK, **bf16), daqk_diag=torch.empty(1, T, H, **f32),
+             dbeta_v=torch.empty(1, T, H, **f32),
              dgam_s=torch.empty(C, H, HEAD_DIM, **f32), scale=saved["scale"])
     return t
 
@@ -537,7 +538,7 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     q = saved["q"]
     T, H = q.shape[1], q.shape[2]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
-    t.update({name: parts[name] for name in ("daqk", "dakk", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
+    t.update({name: parts[name] for name in ("daqk", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
     t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]), scale=saved["scale"])
     if gate_form.startswith("split"):  # each channel half writes its dbeta partial; summed after, in a fixed order
         t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
@@ -635,10 +636,11 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
     replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
-    token), its outputs (dv, dRk, dQg, dKg, dAqk, dAkk in bf16, dbeta_v: 1,284 B a token), a head
+    token), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16, dKg, dAqk's diagonal, dbeta_v in fp32:
+    1,544 B a token), a head
     group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
     (128 KiB a chunk)."""
-    return T * (1280 + 1284 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
+    return T * (1280 + 1544 + 1538) + n_chunks * (2 * HEAD_DIM * HEAD_DIM * 4 + 2 * HEAD_DIM * 4)
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:

@@ -340,9 +340,10 @@ def conv1d_silu_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 #     dk    = dk_g + dk_R + dk_q + dk_Lr + dk_Lc
 #     dv    = Diag(beta) dRv
 #     dbeta = rowsum(K * (dRk * e^Gam + rows(dAkk, K))) + rowsum(V * dRv)
-#     dGam  = Q * dq + K * (dk_R + dk_Lr - dk_Lc - dk_q - dk_g)
-#     dgam  = colsum(Kg * dKg) + e^gam * rowsum(S * dS_end)     (= rowsum(S_end * dS_end))
-#     dGam_C += dgam ;   dg = reverse cumsum over the chunk's rows of dGam
+#     dGam  = Q * dq' + K * (dk_R + dk_Lr - dk_Lc - dk_q')   (' : without dAqk's diagonal, whose
+#             two copies cancel)
+#     dg_t  = e^gam rowsum(S * dS_end) + sum_{r < t} Kg_r * dKg_r + sum_{r >= t} dGam_r
+#             (Kg dKg through e^(gam - Gam_r) reaches rows after r: a prefix, not total minus suffix)
 #
 # DESIGN.md §2's walk is complete once its "local term from dO" is read as scale Aqk^T dO
 # (Aqk lower triangular including the diagonal).
@@ -582,19 +583,30 @@ def chunk_bwd(q, k, v, beta, dO, S, dS_end, p: dict, scale: float, sub: int = _S
     dk_Lr_raw = _gated_rows(dAkk, k, Gam, sub)                               # rows(dAkk, K)
     dk_Lr = b * dk_Lr_raw
     dk_Lc = _gated_cols(b * dAkk, k, Gam, sub)                               # cols(Diag(b) dAkk, K)
-    dk_q = _gated_cols(dAqk, q, Gam, sub)
+    # dAqk's diagonal (E_ii = 1) reaches dq as dAqk_ii k_i and dk as dAqk_ii q_i, and dGam_i twice with
+    # opposite signs: it is kept out of dGam, where its two rounded copies would not cancel (their residue
+    # is O(1) while dg is ~e^g at strong decay), and added to dq and dk alone (as kda_bwd_gate does).
+    daqk_ii = torch.diagonal(dAqk, dim1=1, dim2=2)[:, :, None]               # [H, C, 1]
+    dAqk_off = torch.tril(dAqk, diagonal=-1)
+    dk_q = _gated_cols(dAqk_off, q, Gam, sub)
     dk_R = b * dRk * eG
     dk_g = dKg * eGg
-    dq = dQg * eG + _gated_rows(dAqk, k, Gam, sub)
-    dk = dk_g + dk_R + dk_q + dk_Lr + dk_Lc
+    dq_off = dQg * eG + _gated_rows(dAqk_off, k, Gam, sub)
+    dq = dq_off + daqk_ii * k
+    dk = dk_g + dk_R + dk_q + dk_Lr + dk_Lc + daqk_ii * q
     dv = b * dRv
     dbeta = (k * (dRk * eG + dk_Lr_raw)).sum(-1) + (v * dRv).sum(-1)
-    dGam = q * dq + k * (dk_R + dk_Lr - dk_Lc - dk_q - dk_g)
-    dgam = (p["Kg"] * dKg).sum(1) + torch.exp(gam) * (S * dS_end).sum(-1)    # [H, K]
-    dGam = torch.cat([dGam[:, :C - 1], dGam[:, C - 1:] + dgam[:, None]], dim=1)
-    dg = torch.flip(torch.cumsum(torch.flip(dGam, [1]), 1), [1])             # reverse cumsum
+    # dg_t = dgam_s + sum_{r < t} Kg_r dKg_r + sum_{r >= t} dGam_r. Row r's Kg term (through
+    # e^(gam - Gam_r)) reaches dg_t for t > r only; summed as that prefix, not as the chunk's total
+    # minus the suffix, whose O(1) copies of the last rows' terms cancel to fp32 residue while dg is
+    # ~e^g (g = -30: relative error 1e6). The kernels (kda_bwd_gate) sum it the same way.
+    dGam = q * dq_off + k * (dk_R + dk_Lr - dk_Lc - dk_q)
+    dgam_s = torch.exp(gam) * (S * dS_end).sum(-1)                           # [H, K]
+    kg_terms = p["Kg"] * dKg                                                 # [H, C, K]
+    prefix = torch.cat([dgam_s[:, None], torch.cumsum(kg_terms[:, :C - 1], 1) + dgam_s[:, None]], dim=1)
+    dg = prefix + torch.flip(torch.cumsum(torch.flip(dGam, [1]), 1), [1])    # + reverse cumsum
     return dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dVp=dVp, dAqk=dAqk, dAkk=dAkk,
-                dQg=dQg, dKg=dKg, dW=dW, dRk=dRk, dRv=dRv, dGam=dGam, dgam=dgam)
+                dQg=dQg, dKg=dKg, dW=dW, dRk=dRk, dRv=dRv, dGam=dGam, dgam_s=dgam_s)
 
 
 def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.Tensor] = None,

@@ -78,6 +78,7 @@ def test_chunk_stage_products_match_reference():
     want = {n: torch.zeros(1, T, H, w, dtype=torch.float64) for n, w in
             (("dv", 128), ("drk", 128), ("dqg", 128), ("dkg", 128), ("daqk", 64), ("dakk", 64))}
     want["dbeta_v"] = torch.zeros(1, T, H, dtype=torch.float64)
+    want["daqk_diag"] = torch.zeros(1, T, H, dtype=torch.float64)
     dgam_s = torch.zeros(len(rs["chunks"]), H, 128, dtype=torch.float64)
     q64, k64, v64, b64 = (x.double() for x in (cpu[0], cpu[1], cpu[2], cpu[4]))
     for c, (_, c0, c1) in enumerate(rs["chunks"].tolist()):
@@ -92,6 +93,7 @@ def test_chunk_stage_products_match_reference():
             want[name][0, c0:c1] = r[key].transpose(0, 1)
         want["daqk"][0, c0:c1, :, :L] = r["dAqk"].transpose(0, 1)
         want["dakk"][0, c0:c1, :, :L] = r["dAkk"].transpose(0, 1)
+        want["daqk_diag"][0, c0:c1] = torch.diagonal(r["dAqk"], dim1=-2, dim2=-1).transpose(0, 1)
         want["dbeta_v"][0, c0:c1] = (hf(v64) * r["dRv"]).sum(-1).transpose(0, 1)
         dgam_s[c] = torch.exp(rs["gam"][c]) * (rs["S"][c] * ref_tape[c]).sum(-1)
     want["dgam_s"] = dgam_s

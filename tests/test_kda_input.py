@@ -234,8 +234,8 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
         assert [p for p, _ in calls] == ["kda_bwd_chunk", "kda_bwd_gate"] and d0 is dh0
         assert set(calls[0][1]) == {"chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew", "akk_inv",
                                     "beta", "tape", "dout", "dtape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
-                                    "dbeta_v", "dgam_s"}
+                                    "daqk_diag", "dbeta_v", "dgam_s"}
         dbeta_out = "dbeta_part" if gate_form.startswith("split") else "dbeta"
-        assert set(calls[1][1]) == {"q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "dqg", "dkg",
+        assert set(calls[1][1]) == {"q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "daqk_diag", "dqg", "dkg",
                                     "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg", dbeta_out}
         assert dq.shape == dk.shape == dv.shape == (1, T, H, 128) and dbeta.shape == (1, T, H)

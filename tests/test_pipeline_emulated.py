@@ -75,6 +75,7 @@ def _bwd_chunk(t):
         for name in ("drk", "dqg", "dkg"):
             t[name][0, sl] = (t["kg"][0, sl].float() * 0.5 + base).to(t[name].dtype)
         t["daqk"][0, sl] = (t["aqk"][0, sl].float() + 1).to(t["daqk"].dtype)
+        t["daqk_diag"][0, sl] = t["aqk"][0, sl].float().mean(-1)
         t["dakk"][0, sl] = (t["akk_inv"][0, sl].float() - 1).to(t["dakk"].dtype)
         t["dbeta_v"][0, sl] = t["u"][0, sl].float().mean(-1)
         t["dgam_s"][c] = base + t["gamma"][c]
@@ -85,7 +86,8 @@ def _gate(t):
         sl = slice(t0, t1)
         t["dq"][0, sl] = (t["dqg"][0, sl].float() + t["dgam_s"][c]).to(t["dq"].dtype)
         t["dk"][0, sl] = (t["dkg"][0, sl].float() + t["drk"][0, sl].float()).to(t["dk"].dtype)
-        t["dg"][0, sl] = t["g"][0, sl] + t["dgam_s"][c] + t["daqk"][0, sl].float().mean(-1, keepdim=True)
+        t["dg"][0, sl] = (t["g"][0, sl] + t["dgam_s"][c] + t["daqk"][0, sl].float().mean(-1, keepdim=True)
+                          + t["daqk_diag"][0, sl, :, None])
         if "dbeta_part" in t:
             t["dbeta_part"][0, sl] = t["dakk"][0, sl].float().mean(-1)
             t["dbeta_part"][1, sl] = t["beta"][0, sl].float()

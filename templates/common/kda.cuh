@@ -19,6 +19,9 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// The gate as every program sums it: at least -kGateFloor (g = -inf, a reset, becomes finite); NaN stays NaN.
+__device__ __forceinline__ float floored_gate(float g) { return g < -kGateFloor ? -kGateFloor : g; }
+
 // Rows [0, len) of one head of a token-major [T, H, 128] bf16 tensor into a [64][kPitch] shared
 // tile; rows [len, 64) are zero so that short chunks need no special cases in the products.
 __device__ __forceinline__ void load_chunk_rows(__nv_bfloat16 (*dst)[kPitch], const uint16_t* src, int64_t t0,

@@ -10,6 +10,11 @@ namespace kda {
 constexpr int kHeadDim = 128;  // K = V = 128
 constexpr int kChunk = 64;     // tokens per chunk
 constexpr int kMaxHeads = 64;
+// The gate's floor: every program sums max(g, -kGateFloor) (so g = -inf, a reset, is finite there).
+// A token below it keeps e^-20 ~ 2e-9 of the state instead of less: below bf16's resolution of every
+// output; its dg is zero (the floor's derivative). 20 keeps the diagonal 8-row pieces' factors within
+// e^(4 x 20) (bench/NOTES.md, numerics).
+constexpr float kGateFloor = 20.f;
 
 struct KdaFwdArgs {
   // inputs
@@ -68,9 +73,11 @@ struct KdaBwdArgs {
   uint16_t* dv;                  // [T, H, 128] bf16  beta * dRv
   uint16_t* drk;                 // [T, H, 128] bf16  dRk = (I + L)^-T dW,  dW = -dV' S^T
   uint16_t* dqg;                 // [T, H, 128] bf16  scale dO S^T
-  uint16_t* dkg;                 // [T, H, 128] bf16  V' dS_end^T
+  float* dkg;                    // [T, H, 128] fp32  V' dS_end^T (fp32: in bf16 its rounding was dk's and dg's
+                                 //                    largest error at strong decay, bench/studies/kda_emulation.py)
   uint16_t* daqk;                // [T, H, 64]  bf16  scale tril(dO V'^T)   (bf16: the gated products' operand,
   uint16_t* dakk;                // [T, H, 64]  bf16  -tril_strict(dRk W^T + dRv U^T)  rounded once, here)
+  float* daqk_diag;              // [T, H]      fp32  scale dO_i . V'_i: dAqk's diagonal, taken exactly by the gate
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
   float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)
   // kda_bwd_gate inputs: q, k, g, beta and the fp32 intermediates above; outputs:

@@ -26,7 +26,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
-                                 "dqg", "dkg", "daqk", "dakk", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
+                                 "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
                                  "dbeta_part", "transfer"};
   KdaTensors out;
   auto& t = out.t;
@@ -103,9 +103,10 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dv", kBFloat16, tok, "[1, T, H, 128]"},
       {"drk", kBFloat16, tok, "[1, T, H, 128]"},
       {"dqg", kBFloat16, tok, "[1, T, H, 128]"},
-      {"dkg", kBFloat16, tok, "[1, T, H, 128]"},
+      {"dkg", kFloat32, tok, "[1, T, H, 128]"},
       {"daqk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dakk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"daqk_diag", kFloat32, {1, T, H}, "[1, T, H]"},
       {"dbeta_v", kFloat32, {1, T, H}, "[1, T, H]"},
       {"dgam_s", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
       {"dq", kBFloat16, tok, "[1, T, H, 128]"},
@@ -126,6 +127,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     // (seg_chunks too: a view narrowed to one segment starts at any int32)
     const bool scalar = std::string(sp.name) == "beta" || std::string(sp.name) == "dbeta" ||
                         std::string(sp.name) == "dbeta_v" || std::string(sp.name) == "dbeta_part" ||
+                        std::string(sp.name) == "daqk_diag" ||
                         std::string(sp.name) == "seg_chunks";
     expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
@@ -204,9 +206,10 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.dv = reinterpret_cast<uint16_t*>(k.ptr("dv"));
   a.drk = reinterpret_cast<uint16_t*>(k.ptr("drk"));
   a.dqg = reinterpret_cast<uint16_t*>(k.ptr("dqg"));
-  a.dkg = reinterpret_cast<uint16_t*>(k.ptr("dkg"));
+  a.dkg = reinterpret_cast<float*>(k.ptr("dkg"));
   a.daqk = reinterpret_cast<uint16_t*>(k.ptr("daqk"));
   a.dakk = reinterpret_cast<uint16_t*>(k.ptr("dakk"));
+  a.daqk_diag = reinterpret_cast<float*>(k.ptr("daqk_diag"));
   a.dbeta_v = reinterpret_cast<float*>(k.ptr("dbeta_v"));
   a.dgam_s = reinterpret_cast<float*>(k.ptr("dgam_s"));
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
