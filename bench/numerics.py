@@ -275,6 +275,8 @@ def main(argv=None):
             except Exception as e:  # an arm that fails is a row, not the end of the check
                 row = dict(common, arm=arm, finite=False, error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
+            with path.open("a") as f:  # row by row: a run cut at its time limit keeps what it measured
+                f.write(json.dumps(row, sort_keys=True) + "\n")
             cells = " ".join(f"{row[n]:9.2e}" if isinstance(row.get(n), float) else f"{str(row.get(n, '-')):>9s}"
                              for n in OUTPUTS)
             print(f"{name:34s} {arm:20s} {cells}", flush=True)
@@ -282,13 +284,14 @@ def main(argv=None):
         del x, ref
         torch.cuda.empty_cache()
     if a.timing:
-        rows += timing_rows(fla, base)
+        timed = timing_rows(fla, base)
+        rows += timed
+        with path.open("a") as f:
+            for r in timed:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
         for r in rows[-4:]:
             if r["suite"] == "numerics_timing":
                 print(f"timing {r['arm']} {r['boundary']}: {r['ms']} ms", flush=True)
-    with path.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r, sort_keys=True) + "\n")
     # the verdict: kda_aot finite everywhere, and <= FLA on every output of every case where FLA is finite
     worse, nonfinite = [], []
     by_case = {}

@@ -9,7 +9,8 @@
 #   5. (STEPS=forms) bench/forms_ab.py bwd Q1 32: kda_bwd_chunk with dV' split (shipped) against plain_dvp
 #   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
 #   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
-# Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks.
+# Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks;
+# TESTS overrides step 3's files, NUMERICS_S step 2's cap (default 300 s).
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl, build/kobj
 # (and .triton_autotune.tgz when there: FLA's autotuning otherwise takes minutes of a fresh machine).
 source "$(dirname "$0")/device_env.sh"
@@ -26,11 +27,11 @@ python3 -c "import fla; print('fla', fla.__version__)" 2>/dev/null || echo "fla 
 for step in $STEPS; do
   case $step in
     numerics)
-      timeout -s INT -k 10 "$(cap 300)" python3 bench/numerics.py --out "$OUT" > "$OUT/numerics.log" 2>&1
+      timeout -s INT -k 10 "$(cap ${NUMERICS_S:-300})" python3 bench/numerics.py --out "$OUT" > "$OUT/numerics.log" 2>&1
       stamp "numerics: $(tail -3 "$OUT/numerics.log" | tr '\n' ' ')" ;;
     tests)
-      timeout -s INT -k 15 "$(cap 240)" python3 -m pytest -q -rs tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py \
-        tests/test_kda_fwd_gpu.py tests/test_cp_cuda.py > "$OUT/pytest_numerics.log" 2>&1
+      timeout -s INT -k 15 "$(cap 240)" python3 -m pytest -q -rs ${TESTS:-tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py \
+        tests/test_kda_fwd_gpu.py tests/test_cp_cuda.py} > "$OUT/pytest_numerics.log" 2>&1
       stamp "tests: $(tail -1 "$OUT/pytest_numerics.log")" ;;
     forms)
       timeout -s INT -k 10 "$(cap 180)" python3 bench/forms_ab.py bwd Q1 32 > "$OUT/forms_bwd.log" 2>&1
