@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kda_aot import options
+
 REPO = Path(__file__).resolve().parents[1]  # the checkout: bench is not part of the installed package
 RESULTS = REPO / "bench" / "results"
 
@@ -97,21 +99,14 @@ def write_rows(rows: list[dict], suite: str, out_dir: Path | None = None) -> Pat
     return path
 
 
-def with_env(name: str, value: str, fn):
-    """fn with the environment knob `name` set to `value` during the call."""
+def with_options(fn, **changes):
+    """fn run with kda_aot's Options changed so during the call (an A/B arm)."""
     def call():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with options.using(**changes):
             return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
     return call
 
 
 def with_walk_form(form, fn):
-    """fn with the fit rule's knob forced to `form` during the call (auto: the rule decides)."""
-    return with_env("KDA_AOT_WALK_FORM", form, fn)
+    """fn with every state walk forced to `form` during the call (auto: the fit rule decides)."""
+    return with_options(fn, walk_form=form)

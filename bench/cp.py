@@ -24,14 +24,13 @@ import torch.distributed as dist
 from kda_aot import cp
 from kda_aot.cp.exchange import gather_json
 from kda_aot.nn import PackedKDA
-from .common import round_order, row, with_env, with_walk_form, write_rows
+from kda_aot import options
+from .common import round_order, row, with_options, with_walk_form, write_rows
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
-BATCHED_KNOB = "KDA_AOT_CP_BATCHED_SUMMARIES"  # kda_aot.cp.ops (default on)
-PER_FRAGMENT_ARM = "kda_aot/per_fragment"  # the knob off: one summary (two walk launches) per fragment
-PIPELINE_KNOB = "KDA_AOT_CP_PIPELINE"  # kda_aot.cp.ops (default on since session 9)
-PLAIN_ORDER_ARM = "kda_aot/plain_order"  # the knob off: prepare, summaries, exchange, then the walks
+PER_FRAGMENT_ARM = "kda_aot/per_fragment"  # cp_batched_summaries off: one summary (two walk launches) per fragment
+PLAIN_ORDER_ARM = "kda_aot/plain_order"  # cp_pipeline off: prepare, summaries, exchange, then the walks
 NO_PLAN_ARM = "kda_aot/no_plan"  # one GPU, no CP plan (cu_seqlens): CP1's rows carry it as the single-device baseline
 
 
@@ -55,14 +54,11 @@ def slowest_rank_ms(fn, iters: int, warmup: int = 2) -> float:
 def _phases_by_rank(step, iters: int) -> list:
     """Per rank, the mean ms per step of each CP phase (summary walks, exchange incl. waiting for
     the other ranks, local forward/backward, replay) over `iters` steps of `step`."""
-    os.environ["KDA_AOT_CP_TIMING"] = "1"
-    try:
+    with options.using(debug_timing=True):
         cp.phase_times()
         for _ in range(iters):
             step()
         mine = {name: round(sum(ms) / iters, 3) for name, ms in cp.phase_times().items()}
-    finally:
-        del os.environ["KDA_AOT_CP_TIMING"]
     return gather_json(mine, dist.get_world_size(), dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
 
 
@@ -126,17 +122,14 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                     o.backward(do)
                 arms[(NO_PLAN_ARM, "B1")], arms[(NO_PLAN_ARM, "B3")] = single_b1, single_b3
             if per_fragment:  # one summary per fragment against the batched summaries (the default)
-                arms[(PER_FRAGMENT_ARM, "B1")], arms[(PER_FRAGMENT_ARM, "B3")] = (with_env(BATCHED_KNOB, "0", b1),
-                                                                                  with_env(BATCHED_KNOB, "0", b3))
+                arms[(PER_FRAGMENT_ARM, "B1")], arms[(PER_FRAGMENT_ARM, "B3")] = (
+                    with_options(b1, cp_batched_summaries=False), with_options(b3, cp_batched_summaries=False))
             if plain_order:  # the CP path's plain order against the pipelined one (the default)
-                arms[(PLAIN_ORDER_ARM, "B1")] = with_env(PIPELINE_KNOB, "0", b1)
-                arms[(PLAIN_ORDER_ARM, "B3")] = with_env(PIPELINE_KNOB, "0", b3)
-            for knobs in ab:  # environment knobs' other settings, as an arm of their own
-                name = "kda_aot/" + ",".join(f"{knob}={value}" for knob, value in knobs)
-                arm_b1, arm_b3 = b1, b3
-                for knob, value in knobs:
-                    arm_b1, arm_b3 = with_env(knob, value, arm_b1), with_env(knob, value, arm_b3)
-                arms[(name, "B1")], arms[(name, "B3")] = arm_b1, arm_b3
+                arms[(PLAIN_ORDER_ARM, "B1")] = with_options(b1, cp_pipeline=False)
+                arms[(PLAIN_ORDER_ARM, "B3")] = with_options(b3, cp_pipeline=False)
+            for text, changes in ab:  # other Options, as an arm of their own
+                arms[("kda_aot/" + text, "B1")] = with_options(b1, **changes)
+                arms[("kda_aot/" + text, "B3")] = with_options(b3, **changes)
             if fla is not None and layout in ("contiguous", "zigzag"):
                 build_cp_context, fla_chunk_kda = fla
                 ctx = build_cp_context(cu.to(dev).long(), dist.group.WORLD, layout=layout, cu_seqlens_cpu=cu.long())
@@ -165,9 +158,9 @@ def run(packs=tuple(PACKS), H: int = HEADS_DEFAULT, iters: int = 10, out_dir=Non
                               f"{time.monotonic() - t_arm:.1f} s", file=sys.stderr, flush=True)
             phases = {"kda_aot": _phases_by_rank(b3, iters=3)}
             if per_fragment:
-                phases[PER_FRAGMENT_ARM] = _phases_by_rank(with_env(BATCHED_KNOB, "0", b3), iters=3)
+                phases[PER_FRAGMENT_ARM] = _phases_by_rank(with_options(b3, cp_batched_summaries=False), iters=3)
             if plain_order:
-                phases[PLAIN_ORDER_ARM] = _phases_by_rank(with_env(PIPELINE_KNOB, "0", b3), iters=3)
+                phases[PLAIN_ORDER_ARM] = _phases_by_rank(with_options(b3, cp_pipeline=False), iters=3)
             new = []
             for (arm, boundary), ts in times.items():
                 extra = {"phases_ms_by_rank": phases[arm]} if boundary == "B3" and arm in phases else {}
@@ -197,18 +190,22 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
     p.add_argument("--no-fla", action="store_true", help="leave out flash-linear-attention's CP arm")
     p.add_argument("--per-fragment-summaries", action="store_true",
-                   help=f"add the arm {PER_FRAGMENT_ARM} ({BATCHED_KNOB}=0: one summary per fragment instead of "
+                   help=f"add the arm {PER_FRAGMENT_ARM} (cp_batched_summaries=0: one summary per fragment instead of "
                         "every fragment's at once, in pieces)")
     p.add_argument("--plain-order", action="store_true",
-                   help=f"add the arm {PLAIN_ORDER_ARM} ({PIPELINE_KNOB}=0: the CP path's plain order instead of the "
+                   help=f"add the arm {PLAIN_ORDER_ARM} (cp_pipeline=0: the CP path's plain order instead of the "
                         "chunk stage pipelined with the walks)")
-    p.add_argument("--ab", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE]",
-                   help="add the arm kda_aot/KNOB=VALUE[,..]: the environment knobs set so during its calls "
-                        "(repeatable; e.g. KDA_AOT_CP_REPLAY_PIECES=0)")
+    p.add_argument("--ab", action="append", default=[], metavar="OPTION=VALUE[,OPTION=VALUE]",
+                   help="add the arm kda_aot/OPTION=VALUE[,..]: kda_aot.options.Options changed so during its "
+                        "calls (repeatable; e.g. cp_replay_pieces=0)")
     args = p.parse_args(argv)
-    ab = [tuple(tuple(kv.split("=", 1)) for kv in x.split(",")) for x in args.ab]
-    if any(len(kv) != 2 or not kv[0] for knobs in ab for kv in knobs):
-        p.error(f"--ab: expected KNOB=VALUE[,KNOB=VALUE], got {args.ab}")
+    ab = []
+    for text in args.ab:
+        try:
+            parsed = options.parse(text)
+        except ValueError as e:
+            p.error(f"--ab: {e}")
+        ab.append((text, {name: getattr(parsed, name) for name in (kv.split("=", 1)[0].strip() for kv in text.split(","))}))
     layouts = tuple(args.layouts.split(","))
     if set(layouts) - set(LAYOUTS):
         p.error(f"--layouts: expected a subset of {LAYOUTS}, got {args.layouts}")

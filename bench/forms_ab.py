@@ -3,7 +3,7 @@
          chunk_kda_prepare;
   bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch, wide) timing chunk_kda_bwd_chunk;
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
-         (default) and one after the other (KDA_AOT_REPLAY_OVERLAP=0);
+         (default) and one after the other (Options.replay_overlap off);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
          split_horner) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
@@ -11,12 +11,12 @@
          walks' SMs) and in the plain order;
     python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
-import os
 import sys
 
 import torch
 
-from bench.common import interleaved, with_env
+from bench.common import interleaved, with_options
+from kda_aot import options
 from bench.packs import PACKS
 from bench.single import inputs
 from kda_aot import registry
@@ -69,8 +69,8 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
         for x in leaves:
             x.grad = None
         chunk_kda(*leaves, cu_seqlens=cu, backward="replay")[0].backward(do)
-    ms = interleaved({"walks side by side": with_env("KDA_AOT_REPLAY_OVERLAP", "1", step),
-                      "one after the other": with_env("KDA_AOT_REPLAY_OVERLAP", "0", step)}, iters=7, warmup=1)
+    ms = interleaved({"walks side by side": with_options(step, replay_overlap=True),
+                      "one after the other": with_options(step, replay_overlap=False)}, iters=7, warmup=1)
     print(f"{pack} H={H} replay step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 
@@ -83,24 +83,25 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     from kda_aot import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
-    shipped = dict(pipeline="1", critical=True)
-    arms = {"critical": {}, "restricted": dict(critical=False), "plain": dict(pipeline="0")}
+    shipped = dict(pipeline=True, critical=True)
+    arms = {"critical": {}, "restricted": dict(critical=False), "plain": dict(pipeline=False)}
 
     def configure(setting):
-        os.environ["KDA_AOT_PIPELINE"] = setting["pipeline"]
         fit.PIPELINE_CRITICAL_PATH = setting["critical"]
         fit.pipelined_walk_sms.cache_clear()
 
     def arm(name, mode):
         def run():
-            configure(dict(shipped, **arms[name]))
+            setting = dict(shipped, **arms[name])
+            configure(setting)
             try:
-                if mode == "forward":
-                    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
-                    return
-                for x in leaves:
-                    x.grad = None
-                chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
+                with options.using(pipeline=setting["pipeline"]):
+                    if mode == "forward":
+                        chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+                        return
+                    for x in leaves:
+                        x.grad = None
+                    chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
             finally:
                 configure(shipped)
         return run

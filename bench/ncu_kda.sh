@@ -3,8 +3,8 @@
 # speed of light, occupancy, warp stall reasons (every body item: --print-details all), memory,
 # instruction counts, the source lines where warps stall most (SourceCounters; -lineinfo builds).
 # Leaves the clocks alone.
-# Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's knob: KDA_AOT_CHUNK_FORM,
-# KDA_AOT_BWD_CHUNK_FORM, KDA_AOT_GATE_FORM, KDA_AOT_WALK_FORM); default: every forward and backward
+# Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's option through KDA_AOT_OPTIONS:
+# chunk_form, bwd_chunk_form, gate_form, walk_form); default: every forward and backward
 # program, the test-only forms beside the shipped ones. Reports: $NCU_DIR (default $OUT).
 source "$(dirname "$0")/device_env.sh"
 if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything already
@@ -16,12 +16,12 @@ RUNS="kda_fwd_chunk:default kda_fwd_chunk:balanced kda_fwd_chunk:lean kda_fwd_ta
 for run in ${NCU_RUNS:-$RUNS}; do
   IFS=: read -r k form <<< "$run"
   case $k in
-    kda_fwd_chunk) knob=KDA_AOT_CHUNK_FORM ;; kda_bwd_chunk) knob=KDA_AOT_BWD_CHUNK_FORM ;;
-    kda_bwd_gate) knob=KDA_AOT_GATE_FORM ;; *) knob=KDA_AOT_WALK_FORM ;;
+    kda_fwd_chunk) knob=chunk_form ;; kda_bwd_chunk) knob=bwd_chunk_form ;;
+    kda_bwd_gate) knob=gate_form ;; *) knob=walk_form ;;
   esac
   report="${NCU_DIR:-$OUT}/ncu_${k}_${form}.txt"
   for extra in "--section SourceCounters --print-details all" ""; do  # the first needs a recent ncu
-    env "$knob=$form" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
+    env KDA_AOT_OPTIONS="$knob=$form" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
       ncu --clock-control none -k regex:"$k\\b" -c 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 > "$report" 2>&1

@@ -61,8 +61,8 @@ for name, run in runs.items():
 from kda_aot import chunk_kda  # noqa: E402
 leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
 chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
-import os  # noqa: E402
-os.environ["KDA_AOT_PIPELINE"] = "1"  # the pipelined replay: chunk-stage ranges, the groups' walks on side streams
-chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
+from kda_aot import options  # noqa: E402
+with options.using(pipeline=True):  # the pipelined replay: chunk-stage ranges, the groups' walks on side streams
+    chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

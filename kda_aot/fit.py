@@ -32,15 +32,15 @@ import functools
 import heapq
 import json
 import logging
-import os
 from pathlib import Path
+
+from . import options
 
 # quarter (four CTAs of 32 columns): `auto` considers it only for a program whose fit_params entry
 # has rho_quarter_alone and whose quarter record ships (QUARTER_SHIPPED, checked against build.json
 # by tests/test_fit.py), and only when every quarter CTA gets an SM of its own.
-FORMS = ("full", "split", "quarter")
+FORMS = options.WALK_FORMS[1:]  # full, split, quarter
 QUARTER_SHIPPED: frozenset = frozenset({"kda_fwd_tape", "kda_bwd_tape"})  # quarter in build.json
-KNOBS = ("auto",) + FORMS
 PARAMS_FILE = Path(__file__).with_name("fit_params.json")
 log = logging.getLogger("kda_aot.fit")
 
@@ -153,10 +153,10 @@ def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob:
 
 def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, knob: str | None = None) -> tuple:
     """The launches of one walk: ((form, first segment, end segment), ...) covering every segment in
-    order. knob: auto | full | split | quarter (default: env KDA_AOT_WALK_FORM, else auto)."""
-    knob = knob or os.environ.get("KDA_AOT_WALK_FORM", "auto")
-    if knob not in KNOBS:
-        raise ValueError(f"walk_form: expected one of {KNOBS}, got {knob!r}")
+    order. knob: auto | full | split | quarter (default: Options.walk_form)."""
+    knob = knob or options.current().walk_form
+    if knob not in options.WALK_FORMS:
+        raise ValueError(f"walk_form: expected one of {options.WALK_FORMS}, got {knob!r}")
     plan = _decide(program, tuple(int(n) for n in chain_lengths), int(heads), int(sm_count), knob)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("launch %s %s chains=%d", program,
@@ -233,14 +233,14 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     launches ahead of everything (kda._pipelined). A sent chain (first) too, also when it is the rank's
     only one (session 11: CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
     whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange; the CP
-    replay, which sends nothing, then pieces a rank's only chain too) - with CP_PIECE_SENDERS_KNOB=1,
+    replay, which sends nothing, then pieces a rank's only chain too) - with Options.cp_piece_senders,
     off until measured on two GPUs."""
     lengths = [int(n) for n in chain_lengths]
     groups = plan_pipeline(lengths, first)
     if not cp:
         bounds = last_group_pieces(lengths, first)
         return None if bounds is None else (len(groups) - 1, bounds)
-    senders_too = os.environ.get(CP_PIECE_SENDERS_KNOB, "0") == "1"
+    senders_too = options.current().cp_piece_senders
     candidates = [i for i, (a, b) in enumerate(groups) if b - a == 1 and (senders_too or a not in first)
                   and a not in deferred and lengths[a] >= 2 * MIN_PIECE_CHUNKS]
     if (len(groups) < 2 and not senders_too) or not candidates:
@@ -252,7 +252,6 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     return i, [start + (n * p) // pieces for p in range(pieces + 1)]
 
 
-CP_PIECE_SENDERS_KNOB = "KDA_AOT_CP_PIECE_SENDERS"
 # The CP forward cuts the rank's critical chain into this many pieces, and launches the senders'
 # chunk stage after the first half of them: the walk trails the chunk stage by (walk - chunk stage)
 # per piece (session 9, CP2 Q1 contiguous rank 0: 1.73 against 1.2 ms per quarter of its 1,584-chunk

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import torch
 
-from . import fit, registry
+from . import fit, options, registry
 from ._tensor import describe, host_table_to, out_or, stream_of
 from .packing import CHUNK, PackTables, pack_tables
 
@@ -126,9 +125,9 @@ BWD_CHUNK_FORMS = ("prefetch", "default", "wide", "plain_dvp")            # kda_
 GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")  # kda_bwd_gate
 
 
-def _pick_form(what: str, form, env: str, forms: tuple) -> str:
-    """The argument, else the environment knob `env`, else the shipped form; checked."""
-    form = form or os.environ.get(env, forms[0])
+def _pick_form(what: str, form, forms: tuple) -> str:
+    """The argument, else the current Options' `what`, else the shipped form; checked."""
+    form = form or getattr(options.current(), what) or forms[0]
     if form not in forms:
         raise ValueError(f"{what}: expected one of {forms}, got {form!r}")
     return form
@@ -139,8 +138,8 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    chunk_form: one of CHUNK_FORMS (default: KDA_AOT_CHUNK_FORM, else the shipped default)."""
-    chunk_form = _pick_form("chunk_form", chunk_form, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    chunk_form: one of CHUNK_FORMS (default: Options.chunk_form, else the shipped one)."""
+    chunk_form = _pick_form("chunk_form", chunk_form, CHUNK_FORMS)
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     _launch_chunk_stage(t, chunk_form, initial_state)
     return t
@@ -219,13 +218,12 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
-    gamma (tests poison them). tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM
-    knob, else auto = the fit rule). want_output=False: the walk skips the output stage (the replay
+    gamma (tests poison them). tape_form: auto | full | split | quarter (default: Options.walk_form,
+    auto = the fit rule). want_output=False: the walk skips the output stage (the replay
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
-    stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: KDA_AOT_PIPELINE
-    (on unless =0)."""
-    chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline."""
+    chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      tape_form=tape_form, want_output=want_output)
@@ -242,10 +240,9 @@ def _on_gpu(x) -> bool:
 
 
 def _pipeline_on(pipeline=None) -> bool:
-    """The pipelined order (chunk_kda_fwd, the replay): the argument, else KDA_AOT_PIPELINE (default
-    on since session 5's A/B: forward 22.50 -> 20.26 ms, replay step 86.24 -> 80.11 ms on Q1, H = 32;
-    =0 gives the plain order, bitwise the same)."""
-    return os.environ.get("KDA_AOT_PIPELINE", "1") == "1" if pipeline is None else bool(pipeline)
+    """The pipelined order (chunk_kda_fwd, the replay): the argument, else Options.pipeline (the plain
+    order gives bitwise the same results)."""
+    return options.current().pipeline if pipeline is None else bool(pipeline)
 
 
 def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, pieced=None,
@@ -430,7 +427,7 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     exchange_beside, summarised: see _fwd_pipelined (the tensors entering makes are then made on that
     stream; summarised: the deferred segments entering reads the chunk stage of, default all).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
-    chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, tape_form=None, want_output=True, deferred=deferred,
@@ -476,7 +473,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     d_initial_state [N, H, 128, 128] fp32 or None). need_dtape=False: the offset walk (context
     parallelism's entering-state gradients: no tape written; the binding refuses a call that asks
     for neither). `out` may hold preallocated tensors.
-    tape_form: auto | full | split | quarter (default: the KDA_AOT_WALK_FORM knob, else auto = the fit
+    tape_form: auto | full | split | quarter (default: Options.walk_form, auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
     q = saved["q"]
     _check_dout(dout, q)
@@ -497,8 +494,8 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
     drk, dqg, daqk, dakk (bf16) and dkg, daqk_diag, dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
-    form: one of BWD_CHUNK_FORMS (default: KDA_AOT_BWD_CHUNK_FORM, else the shipped one)."""
-    form = _pick_form("bwd_chunk_form", form, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
+    form: one of BWD_CHUNK_FORMS (default: Options.bwd_chunk_form, else the shipped one)."""
+    form = _pick_form("bwd_chunk_form", form, BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
     _launch_bwd_chunk(t, form)
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
@@ -565,14 +562,14 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
-    gate_form: one of GATE_FORMS (default: KDA_AOT_GATE_FORM, else the shipped split_staged).
+    gate_form: one of GATE_FORMS (default: Options.gate_form, else the shipped split_staged).
     walk: [dtape, d_initial_state] when the backward walk has run already (the replay runs it beside
     the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it.
     rewalk (with walk; context parallelism): segments whose walk ran from a stand-in exit-state
     gradient and runs again here from dfinal_state's rows, into walk's rows - beside kda_bwd_chunk
     over the other segments' chunks when fit.rewalk_beside says it hides there. Bitwise the same as
     walking them first."""
-    gate_form = _pick_form("gate_form", gate_form, "KDA_AOT_GATE_FORM", GATE_FORMS)
+    gate_form = _pick_form("gate_form", gate_form, GATE_FORMS)
     if walk is not None:
         dtape, dh0 = walk
         walk.clear()
@@ -603,7 +600,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     q = saved["q"]
     lengths, H = saved["chain_lengths"], q.shape[2]
     runs = segment_runs(set(rewalk), len(lengths))
-    form = _pick_form("bwd_chunk_form", None, "KDA_AOT_BWD_CHUNK_FORM", BWD_CHUNK_FORMS)
+    form = _pick_form("bwd_chunk_form", None, BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
     sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, _sm_count(q.device))
 
@@ -646,11 +643,11 @@ def replay_bytes_per_head(T: int, n_chunks: int) -> int:
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
     """Split heads [0, H) into the fewest near-equal contiguous groups whose replay backward fits in
     `available` bytes (at least one head per group). Heads are independent in every kernel, so any
-    grouping gives bitwise the same gradients. max_heads (or KDA_AOT_BWD_HEADS) caps a group."""
+    grouping gives bitwise the same gradients. max_heads (else Options.max_heads) caps a group."""
     cap = max(1, available // max(per_head, 1))
-    knob = max_heads if max_heads is not None else os.environ.get("KDA_AOT_BWD_HEADS")
-    if knob:
-        cap = min(cap, int(knob))
+    limit = max_heads if max_heads is not None else options.current().max_heads
+    if limit:
+        cap = min(cap, int(limit))
     n = -(-H // min(cap, H))
     bounds = [round(i * H / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
@@ -684,13 +681,13 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     only the chunk stage's outputs — side by side: the forward walk on a side stream, each planned on
     half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
     [dtape, d_initial_state] or None; dtape None for need_dtape=False, the offset walk). Bitwise the
-    same as the walks one after the other (KDA_AOT_REPLAY_OVERLAP=0, for A/B runs)."""
+    same as the walks one after the other (Options.replay_overlap=False)."""
     q = prepared["q"]
     T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
     out = {"tape": torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32),
            "vnew": torch.empty(1, T, H, HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
-    if dout is None or os.environ.get("KDA_AOT_REPLAY_OVERLAP", "1") == "0":
+    if dout is None or not options.current().replay_overlap:
         _, _, saved = chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
                                      want_output=False)
         walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state,
@@ -712,7 +709,7 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
 
 def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
-    the chunk stage unless KDA_AOT_PIPELINE=0), then the chunk-parallel backward. Bitwise the same
+    the chunk stage unless Options.pipeline is off), then the chunk-parallel backward. Bitwise the same
     as the saved-context backward."""
     if _pipeline_on():
         saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
@@ -738,7 +735,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
     chunk stage instead of the whole chain's (session 10, CP2 Q1 contiguous: rank 0's 1,584-chunk
     document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
-    chunk_form = _pick_form("chunk_form", None, "KDA_AOT_CHUNK_FORM", CHUNK_FORMS)
+    chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
     do = do.contiguous()  # once, not per group

@@ -74,3 +74,17 @@ def gen(request):
     seed = (SEED + zlib.crc32(request.node.nodeid.encode())) % (2 ** 63)
     print(f"[seed] KDA_TEST_SEED={SEED} -> {request.node.nodeid} seed {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def kda_options():
+    """set(**changes): kda_aot's Options changed so for the rest of the test (kda_aot.options.using)."""
+    from kda_aot import options
+    tokens = []
+
+    def set_options(**changes):
+        tokens.append(options._CURRENT.set(options.current().replace(**changes)))
+
+    yield set_options
+    for token in reversed(tokens):
+        options._CURRENT.reset(token)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kda_aot import cp, reference
+from kda_aot import cp, options, reference
 from kda_aot.nn import PackedKDA
 
 
@@ -78,10 +78,9 @@ def _worker(rank, world_size, store, cases_path, workdir, collective_timeout_s, 
     failed = False
     for case in cases:
         t0 = time.perf_counter()
-        saved_env = {name: os.environ.get(name) for name in case.get("env", {})}
         try:
-            os.environ.update(case.get("env", {}))  # knobs of this case alone
-            results[case["name"]] = _to(RUNNERS[case["kind"]](rank, case), "cpu")
+            with options.using(**case.get("options", {})):  # this case's Options alone
+                results[case["name"]] = _to(RUNNERS[case["kind"]](rank, case), "cpu")
             results[case["name"]]["seconds"] = time.perf_counter() - t0
         except Exception:
             # After an unexpected error the ranks may be out of step in their collectives:
@@ -89,12 +88,6 @@ def _worker(rank, world_size, store, cases_path, workdir, collective_timeout_s, 
             results[case["name"]] = {"error": f"rank {rank}: {traceback.format_exc()}"}
             failed = True
             break
-        finally:
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     torch.save(results, os.path.join(workdir, f"rank{rank}.pt"))
     if not failed:
         dist.destroy_process_group()

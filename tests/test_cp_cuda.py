@@ -90,10 +90,10 @@ def test_batched_summaries_match_reference_and_keep_their_bits():
 
 
 @pytest.mark.parametrize("overlap", ["1", "0"])
-def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
+def test_replay_hook_is_bitwise_forward_then_state_grads(kda_options, overlap):
     """CudaBackend.replay (the forward walk beside the walk for D) against forward(keep=True) then
     state_grads on the same prepared chunk stage: D, and the backward from either context, bitwise."""
-    monkeypatch.setenv("KDA_AOT_REPLAY_OVERLAP", overlap)
+    kda_options(replay_overlap=overlap == "1")
     lens, H = [65, 1, 300, 700], 2
     q, k, v, g, beta, cu, states = make(lens, H, "rand", rng(("cp-replay", overlap)), True)
     cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
@@ -119,18 +119,16 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(monkeypatch, overlap):
                          ids=["sender-last", "two-senders", "none", "lead-piece", "pieced-middle", "pieced-sender",
                               "lone-sender"])
 @pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "main-stream"])
-def test_pipelined_forward_is_bitwise_prepare_then_forward(monkeypatch, lens, deferred, senders, beside):
-    """CudaBackend.forward_pipelined (KDA_AOT_CP_PIPELINE, the default: the walks of the segments whose
+def test_pipelined_forward_is_bitwise_prepare_then_forward(kda_options, lens, deferred, senders, beside):
+    """CudaBackend.forward_pipelined (Options.cp_pipeline, the default: the walks of the segments whose
     entering state is known beside the chunk stage, the senders' first, the deferred ones from what
     entering(prepared, final_state) returns once it is queued) against prepare() then forward() with
     the same states: every output bitwise; entering called once, the senders' final states ready, and
     summaries of the deferred segments made in it bitwise those of the plain prepare(). beside: the
-    exchange stream (KDA_AOT_CP_EXCHANGE_BESIDE=1; a missing wait for a chunk stage would show) and the
-    sent chains in pieces too (KDA_AOT_CP_PIECE_SENDERS=1)."""
-    from kda_aot import fit
-    from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB
-    monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
-    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, beside)  # with it, the sent chains in pieces
+    exchange stream (Options.cp_exchange_beside; a missing wait for a chunk stage would show) and the
+    sent chains in pieces too (Options.cp_piece_senders)."""
+    kda_options(cp_exchange_beside=beside == "1")
+    kda_options(cp_piece_senders=beside == "1")  # with it, the sent chains in pieces
     H = 2
     q, k, v, g, beta, cu, known = make(lens, H, "rand", rng(("cp-fwd-pipelined", len(deferred), len(lens))), True)
     later = torch.randn_like(known)

@@ -29,8 +29,8 @@ W, H, K = 2, 2, 128
 REL = 1e-2
 PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100],
          "long": [9000, 300, 4200]}  # T % 4 == 0 (zigzag); "long": fragments of > 32 chunks (summary pieces)
-PER_FRAGMENT = {"KDA_AOT_CP_BATCHED_SUMMARIES": "0"}  # the default is batched
-EXCHANGE_BESIDE = {"KDA_AOT_CP_EXCHANGE_BESIDE": "1", "KDA_AOT_CP_PIECE_SENDERS": "1"}  # both off by default
+PER_FRAGMENT = {"cp_batched_summaries": False}  # Options; the default is batched
+EXCHANGE_BESIDE = {"cp_exchange_beside": True, "cp_piece_senders": True}  # both off by default
 _JOB = {}
 
 
@@ -90,16 +90,16 @@ def results(name):
         # one summary per fragment (the knob off; the default batches them in pieces composed in fp32)
         cases += [{"kind": "op", "backend": "cuda", "name": f"per-fragment/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
-                   "modes": ["saved", "replay"], "env": PER_FRAGMENT} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
-        # the plain order (KDA_AOT_CP_PIPELINE=0; the default pipelines the chunk stage with the walks)
+                   "modes": ["saved", "replay"], "options": PER_FRAGMENT} for lay in cp.LAYOUTS for pack in ("mixed", "long")]
+        # the plain order (Options.cp_pipeline off; the default pipelines the chunk stage with the walks)
         cases += [{"kind": "op", "backend": "cuda", "name": f"plain-order/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
-                   "modes": ["saved", "replay"], "env": {"KDA_AOT_CP_PIPELINE": "0"}}
+                   "modes": ["saved", "replay"], "options": {"cp_pipeline": False}}
                   for lay in cp.LAYOUTS for pack in ("mixed", "long")]
         # the forward's exchange on a stream of its own and the sent chains in pieces (off by default)
         cases += [{"kind": "op", "backend": "cuda", "name": f"exchange-beside/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
-                   "modes": ["saved", "replay"], "env": EXCHANGE_BESIDE} for lay in cp.LAYOUTS for pack in PACKS]
+                   "modes": ["saved", "replay"], "options": EXCHANGE_BESIDE} for lay in cp.LAYOUTS for pack in PACKS]
         for lay in cp.LAYOUTS:
             x, sd, _ = module_case("spans")
             cases.append({"kind": "module", "backend": "cuda", "name": f"module/{lay}/spans", "layout": lay,
@@ -113,7 +113,7 @@ def results(name):
 
 @pytest.mark.parametrize("layout,pack", [(lay, p) for lay in cp.LAYOUTS for p in PACKS])
 def test_exchange_beside_is_bitwise_the_default(layout, pack):
-    """KDA_AOT_CP_EXCHANGE_BESIDE=1 and KDA_AOT_CP_PIECE_SENDERS=1 (the forward's summaries, exchange and
+    """Options.cp_exchange_beside and cp_piece_senders (the forward's summaries, exchange and
     deferred walks on a stream of their own; the sent chains and a rank's only one in pieces): only the
     order changes, so every output and gradient is bitwise the default's, on every rank, in both modes."""
     default, beside = results(f"{layout}/{pack}"), results(f"exchange-beside/{layout}/{pack}")
@@ -134,9 +134,9 @@ def rel_rms(x, ref):
                             for p in ("mixed", "long")])
 def test_cuda_backend_matches_reference(layout, pack, summaries):
     """Both summary paths: batched (the default: all the rank's fragments in two launches, each
-    fragment cut into pieces composed in fp32) and one per fragment (KDA_AOT_CP_BATCHED_SUMMARIES=0);
+    fragment cut into pieces composed in fp32) and one per fragment (Options.cp_batched_summaries off);
     both orders: the chunk stage pipelined with the walks (the default) and the plain order
-    (KDA_AOT_CP_PIPELINE=0): saved and replay gradients bitwise equal in each."""
+    (Options.cp_pipeline off): saved and replay gradients bitwise equal in each."""
     res = results(f"{layout}/{pack}" if summaries == "batched" else f"{summaries}/{layout}/{pack}")
     G.check_modes_bitwise(res, f"cuda {summaries} {layout} {pack}")
     plan = cp.make_plan(G.cu_of(PACKS[pack]), layout, world_size=W, rank=0)

@@ -257,13 +257,13 @@ def test_inputs_and_errors():
         cp.make_plan(torch.tensor([0.0, 4.0]), "doc_zigzag", world_size=2, rank=0)
 
 
-def test_phase_timing_records_only_when_asked(monkeypatch):
+def test_phase_timing_records_only_when_asked(kda_options):
     from kda_aot.cp import ops
     ops.phase_times()
     with ops._Phase("off", torch.device("cpu")):
         pass
     assert ops.phase_times() == {}
-    monkeypatch.setenv("KDA_AOT_CP_TIMING", "1")
+    kda_options(debug_timing=True)
     for _ in range(2):
         with ops._Phase("summary", torch.device("cpu")):
             pass

@@ -46,14 +46,14 @@ def test_few_chains_use_the_alone_cost():
     assert fit.predicted((100,), 67, 132, rho=1.05, rho_alone=0.6)["split"] == pytest.approx(105.0)
 
 
-def test_knob_and_unmeasured_rho(monkeypatch, caplog):
+def test_knob_and_unmeasured_rho(monkeypatch, kda_options, caplog):
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {})
     with caplog.at_level(logging.INFO, logger="kda_aot.fit"):
         assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
     assert "rho not measured" in caplog.text
     assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "split") == (("split", 0, 2),)
-    monkeypatch.setenv("KDA_AOT_WALK_FORM", "split")
+    kda_options(walk_form="split")
     assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132) == (("split", 0, 2),)
     assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132, "quarter") == (("quarter", 0, 2),)
     with pytest.raises(ValueError, match="walk_form: expected one of"):
@@ -270,10 +270,10 @@ def test_rewalk_beside():
     assert fit.rewalk_beside(tuple([40] * 8) + (2000,), tuple(range(8)), 32, 132) is None  # 256 chains
 
 
-def test_pieced_group(monkeypatch):
+def test_pieced_group(kda_options):
     """One GPU: the last group when it is one segment; CP: the longest chain not deferred, a sent one too
-    (also alone: no other group) with CP_PIECE_SENDERS_KNOB=1 (off by default until measured)."""
-    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, "1")
+    (also alone: no other group) with Options.cp_piece_senders (off by default until measured)."""
+    kda_options(cp_piece_senders=True)
     assert fit.pieced_group((1585, 641, 1216, 465)) == (3, fit.last_group_pieces((1585, 641, 1216, 465)))
     assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [198 * p for p in range(9)])  # CP2 Q1 rank 0
     assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272 + 152 * p for p in range(9)])  # rank 1
@@ -286,7 +286,7 @@ def test_pieced_group(monkeypatch):
     assert fit.pieced_group((700,), (), (), True) == (0, [700 * p // 8 for p in range(9)])  # alone (Q2 rank 0)
     assert fit.pieced_group((700,), (0,), (), True)[0] == 0
     assert fit.pieced_group((272, 10), (1,), (0,), True) is None  # too short to cut
-    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, "0")            # the rule before session 11
+    kda_options(cp_piece_senders=False)            # the default rule
     assert fit.pieced_group((272, 40), (1,), (0,), True) is None
     assert fit.pieced_group((700,), (), (), True) is None
     assert fit.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (1, [1218 + 625 * p // 8 for p in range(9)])

@@ -16,10 +16,10 @@ pytestmark = gpu
     ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)), "0"),
     ("saved", None, "1"), ("replay", None, "1")],
     ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined", "replay-pipelined"])
-def test_b3_step_captures_and_replays_bitwise(monkeypatch, mode, plan, pipeline):
+def test_b3_step_captures_and_replays_bitwise(monkeypatch, kda_options, mode, plan, pipeline):
     """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk;
-    pipeline: the pipelined forward and replay (KDA_AOT_PIPELINE), the groups' walks on side streams."""
-    monkeypatch.setenv("KDA_AOT_PIPELINE", pipeline)
+    pipeline: the pipelined forward and replay (Options.pipeline), the groups' walks on side streams."""
+    kda_options(pipeline=pipeline == "1")
     if plan is not None:
         from kda_aot import fit
         monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)

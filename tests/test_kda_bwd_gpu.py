@@ -125,19 +125,19 @@ def test_bwd_chunk_forms_are_bitwise_equal(pack, form):
 
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
-def test_balanced_chunk_form_gradients_match_reference(monkeypatch, pack, gate):
+def test_balanced_chunk_form_gradients_match_reference(kda_options, pack, gate):
     """The gradients through the test-only kda_fwd_chunk/balanced (the shipped lean's schedule with
     fp32 operand products, the A/B arm it is measured against): held to the same fp64 bounds."""
     require_form("kda_fwd_chunk", "balanced")
-    monkeypatch.setenv("KDA_AOT_CHUNK_FORM", "balanced")
+    kda_options(chunk_form="balanced")
     _gradients_against_reference(pack, gate, True)
 
 
-def test_balanced_chunk_form_keeps_saved_and_replay_bitwise(monkeypatch):
+def test_balanced_chunk_form_keeps_saved_and_replay_bitwise(kda_options):
     """Both modes run the same chunk form: saved and replay gradients bitwise equal under a test-only
     chunk form too (the knob reaches the replay's chunk stage)."""
     require_form("kda_fwd_chunk", "balanced")
-    monkeypatch.setenv("KDA_AOT_CHUNK_FORM", "balanced")
+    kda_options(chunk_form="balanced")
     q, k, v, g, beta, cu, h0 = make(PACKS["long"], 3, "rand", rng("balanced-modes"), True)
     dout = torch.randn(q.shape, device="cuda", generator=rng("balanced-modes-do")).to(torch.bfloat16)
     dht = torch.randn(len(PACKS["long"]), 3, 128, 128, device="cuda", generator=rng("balanced-modes-dht"))
@@ -193,7 +193,7 @@ def _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, mode):
     return [x.grad for x in leaves]
 
 
-def test_saved_and_replay_gradients_are_bitwise_equal_and_right(monkeypatch):
+def test_saved_and_replay_gradients_are_bitwise_equal_and_right(kda_options):
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("modes"), True)
     T, N = q.shape[1], len(lens)
@@ -205,7 +205,7 @@ def test_saved_and_replay_gradients_are_bitwise_equal_and_right(monkeypatch):
     for a, b, c in zip(saved, replay, again):
         assert torch.equal(a, b) and torch.equal(b, c)
     # the replay backward a head at a time (what H = 64 on a long pack does) is bitwise the same
-    monkeypatch.setenv("KDA_AOT_BWD_HEADS", "1")
+    kda_options(max_heads=1)
     grouped = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
     for a, b in zip(replay, grouped):
         assert torch.equal(a, b)
@@ -350,16 +350,16 @@ def test_batched_input_and_qk_l2norm_follow_fla_conventions():
         assert torch.equal(x.grad, y.grad)
 
 
-def test_replay_walks_side_by_side_are_bitwise_the_sequential_replay(monkeypatch):
+def test_replay_walks_side_by_side_are_bitwise_the_sequential_replay(kda_options):
     """The replay runs its forward walk on a side stream beside the backward walk; with
-    KDA_AOT_REPLAY_OVERLAP=0 it runs them one after the other: every gradient bitwise the same."""
+    Options.replay_overlap off it runs them one after the other: every gradient bitwise the same."""
     from kda_aot import chunk_kda
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("replay-overlap"), True)
     dout = torch.randn(q.shape, device="cuda", generator=rng("replay-overlap-do")).to(torch.bfloat16)
     grads = []
     for overlap in ("1", "0"):
-        monkeypatch.setenv("KDA_AOT_REPLAY_OVERLAP", overlap)
+        kda_options(replay_overlap=overlap == "1")
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, _ = chunk_kda(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], backward="replay")
         o.backward(dout)

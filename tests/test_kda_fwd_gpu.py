@@ -275,15 +275,15 @@ def test_pipelined_forward_with_forced_walk_forms(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["saved", "replay"])
-def test_pipelined_forward_gradients_bitwise(monkeypatch, mode):
-    """KDA_AOT_PIPELINE=1 through autograd (the pipelined forward; in replay mode also the pipelined
+def test_pipelined_forward_gradients_bitwise(kda_options, mode):
+    """Options.pipeline through autograd (the pipelined forward; in replay mode also the pipelined
     replay of the backward): output and every gradient bitwise as without it."""
     from kda_aot import chunk_kda
     q, k, v, g, beta, cu, h0 = make(PACKS["long"], 3, "rand", rng(("pipeline-grad", mode)), True)
     do = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-grad-do", mode))).to(torch.bfloat16)
     results = []
     for flag in ("0", "1"):
-        monkeypatch.setenv("KDA_AOT_PIPELINE", flag)
+        kda_options(pipeline=flag == "1")
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, ht = chunk_kda(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], output_final_state=True,
                           backward=mode)

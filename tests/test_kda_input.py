@@ -174,29 +174,29 @@ def test_chunk_kda_batched_and_packed_shapes_are_checked():
         chunk_kda_fwd(x, x, x, g, b, cu_seqlens=cu)
 
 
-def test_chunk_forms_are_checked_before_any_kernel(monkeypatch):
+def test_chunk_forms_are_checked_before_any_kernel(kda_options):
     from kda_aot.kda import chunk_kda_prepare
     with pytest.raises(ValueError, match="chunk_form: expected one of"):
         chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None, chunk_form="quick")
-    monkeypatch.setenv("KDA_AOT_CHUNK_FORM", "fast")
+    kda_options(chunk_form="fast")
     with pytest.raises(ValueError, match="chunk_form: expected one of"):
         chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None)
 
 
-def test_bwd_chunk_forms_are_checked_before_any_kernel(monkeypatch):
+def test_bwd_chunk_forms_are_checked_before_any_kernel(kda_options):
     from kda_aot.kda import chunk_kda_bwd_chunk
     with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
         chunk_kda_bwd_chunk({}, None, None, form="eager")
-    monkeypatch.setenv("KDA_AOT_BWD_CHUNK_FORM", "lazy")
+    kda_options(bwd_chunk_form="lazy")
     with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
         chunk_kda_bwd_chunk({}, None, None)
 
 
-def test_backward_forms_are_checked_before_any_kernel(monkeypatch):
+def test_backward_forms_are_checked_before_any_kernel(kda_options):
     from kda_aot.kda import chunk_kda_bwd
     with pytest.raises(ValueError, match="gate_form: expected one of"):
         chunk_kda_bwd({}, None, gate_form="quarter")
-    monkeypatch.setenv("KDA_AOT_GATE_FORM", "half")
+    kda_options(gate_form="half")
     with pytest.raises(ValueError, match="gate_form: expected one of"):
         chunk_kda_bwd({}, None)
 

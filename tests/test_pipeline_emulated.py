@@ -168,16 +168,16 @@ def _nan_empty(monkeypatch):
                          ids=["1", "2", "6", "32"])
 @pytest.mark.parametrize("gate_form", ["split_staged", "full"])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_every_replay_order_gives_the_same_bits(emulated, monkeypatch, lens, gate_form, mixed):
+def test_every_replay_order_gives_the_same_bits(kda_options, emulated, monkeypatch, lens, gate_form, mixed):
     if mixed:  # a mixed walk plan on every walk launch of more than one segment (side streams, narrowed rows)
         monkeypatch.setattr(fit, "plan_walk", lambda program, lengths, *a, **kw: (
             (("split", 0, 1), ("full", 1, len(lengths))) if len(lengths) > 1 else (("full", 0, 1),)))
     _nan_empty(monkeypatch)
-    monkeypatch.setenv("KDA_AOT_GATE_FORM", gate_form)
+    kda_options(gate_form=gate_form)
     q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 2, SEED + len(lens))
     got = {}
     for name, pipeline in (("plain", "0"), ("pipelined", "1")):
-        monkeypatch.setenv("KDA_AOT_PIPELINE", pipeline)
+        kda_options(pipeline=pipeline == "1")
         got[name] = kda._replay_step(q, k, v, g, beta, h0, cu, 0.1, do, dht)
     _, _, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, scale=0.1, initial_state=h0, save_tape=True,
                                     pipeline=False)
@@ -213,9 +213,8 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
                               "pieced-sender", "lone-sender-pieced"])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("beside,piece_senders", [("1", "1"), ("0", "0")], ids=["beside", "main-stream"])
-def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, deferred, senders, keep, beside,
-                                                  piece_senders):
-    """The CUDA CP backend's forward_pipelined (KDA_AOT_CP_PIPELINE, the default): the walks of the
+def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkeypatch, lens, deferred, senders, keep, beside, piece_senders):
+    """The CUDA CP backend's forward_pipelined (Options.cp_pipeline, the default): the walks of the
     segments with a known entering state beside the chunk stage, the senders' first,
     entering(prepared, final_state) once the chunk stage is queued (called once, also with nothing
     deferred: the exchange is collective) with the senders' final states already there, the deferred
@@ -223,9 +222,9 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens, 
     states. beside: the exchange and the deferred walks on a stream of their own (knob on), the
     sent chains pieced when they are the longest (pieced-sender, lone-sender-pieced: 32 chunks; 1-sender's
     11 are too few to cut); main-stream: neither (the order before session 11)."""
-    from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
-    monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
-    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, piece_senders)
+    from kda_aot.cp.backends import CudaBackend
+    kda_options(cp_exchange_beside=beside == "1")
+    kda_options(cp_piece_senders=piece_senders == "1")
     _nan_empty(monkeypatch)
     q, k, v, g, beta, cu, known, _, later = _inputs(lens, 2, SEED + 7)
     backend, bounds = CudaBackend(), cu.tolist()

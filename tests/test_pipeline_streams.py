@@ -121,10 +121,10 @@ IDS = ["2", "6", "32-long", "lone-sender", "lead-piece", "pieced-middle", "piece
 
 @pytest.mark.parametrize("lens,deferred,senders,summarised", CASES, ids=IDS)
 @pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "main-stream"])
-def test_cp_forward_waits_for_what_it_reads(world, monkeypatch, lens, deferred, senders, summarised, beside):
-    from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
-    monkeypatch.setenv(EXCHANGE_BESIDE_KNOB, beside)
-    monkeypatch.setenv(fit.CP_PIECE_SENDERS_KNOB, "1")  # the sent chains in pieces too: their lead order
+def test_cp_forward_waits_for_what_it_reads(world, kda_options, lens, deferred, senders, summarised, beside):
+    from kda_aot.cp.backends import CudaBackend
+    kda_options(cp_exchange_beside=beside == "1")
+    kda_options(cp_piece_senders=True)  # the sent chains in pieces too: their lead order
     main = world.current[0]
     main.launched = 1
     earlier = (main.id, 1)  # an earlier launch on the current stream (e.g. a collective)

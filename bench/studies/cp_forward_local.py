@@ -1,6 +1,6 @@
 """One CP rank's pipelined forward on one GPU, without the other rank: when its exchange could go
 (the senders' exit states and the summaries' inputs ready) and when its forward ends, for the
-knobs KDA_AOT_CP_EXCHANGE_BESIDE and KDA_AOT_CP_PIECE_SENDERS (session 11), arms interleaved.
+Options cp_exchange_beside and cp_piece_senders, arms interleaved.
 
   python bench/studies/cp_forward_local.py [Q2:contiguous:0,Q3:zigzag:1,..] [iters] [--replay]
 
@@ -10,7 +10,6 @@ the deferred segments). Prints, per rank layout and arm, the medians of `ready` 
 that event) and `end` (ms to the forward's end). With two ranks the exchange goes at the later rank's
 `ready`, and each rank's deferred walks follow it: this is the one-GPU part of that.
 """
-import os
 import statistics
 import sys
 
@@ -18,10 +17,10 @@ import torch
 
 from bench.packs import HEAD_DIM, PACKS
 from kda_aot import cp
-from kda_aot.cp.backends import EXCHANGE_BESIDE_KNOB, CudaBackend
-from kda_aot.fit import CP_PIECE_SENDERS_KNOB
+from kda_aot import options
+from kda_aot.cp.backends import CudaBackend
 
-ARMS = {"old": ("0", "0"), "beside": ("1", "0"), "pieced": ("0", "1"), "both": ("1", "1")}
+ARMS = {"old": (False, False), "beside": (True, False), "pieced": (False, True), "both": (True, True)}
 
 
 def rank_inputs(pack, layout, rank, H, gen):
@@ -49,20 +48,20 @@ def replay(which, iters, H, backend, gen):
         xs, bounds, known, deferred, senders, summarised = rank_inputs(pack, layout, int(rank), H, gen)
         do = torch.randn_like(xs[2])
         dfinals = torch.randn_like(known) * 0.01
-        times = {"0": [], "1": []}
+        times = {False: [], True: []}
         for i in range(iters + 2):
-            for pieced in (("0", "1") if i % 2 == 0 else ("1", "0")):
-                os.environ[CP_PIECE_SENDERS_KNOB] = pieced
+            for pieced in ((False, True) if i % 2 == 0 else (True, False)):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
                 start.record()
-                backend.replay_pipelined(*xs, bounds, HEAD_DIM ** -0.5, known, do, dfinals)
+                with options.using(cp_piece_senders=pieced):
+                    backend.replay_pipelined(*xs, bounds, HEAD_DIM ** -0.5, known, do, dfinals)
                 end.record()
                 torch.cuda.synchronize()
                 if i >= 2:
                     times[pieced].append(start.elapsed_time(end))
         print(f"replay {pack} {layout} rank {rank}: segments {[b - a for a, b in zip(bounds, bounds[1:])]}: "
-              f"PIECE_SENDERS=0 {statistics.median(times['0']):.2f} ms, =1 {statistics.median(times['1']):.2f} ms")
+              f"cp_piece_senders off {statistics.median(times[False]):.2f} ms, on {statistics.median(times[True]):.2f} ms")
 
 
 def main():
@@ -80,7 +79,7 @@ def main():
         times = {arm: ([], []) for arm in ARMS}
         for i in range(iters + 2):
             for arm, (beside, pieced) in (ARMS.items() if i % 2 == 0 else reversed(list(ARMS.items()))):
-                os.environ[EXCHANGE_BESIDE_KNOB], os.environ[CP_PIECE_SENDERS_KNOB] = beside, pieced
+                arm_options = options.using(cp_exchange_beside=beside, cp_piece_senders=pieced)
                 start, end, ready = (torch.cuda.Event(enable_timing=True) for _ in range(3))
 
                 def entering(prepared, finals):
@@ -88,8 +87,9 @@ def main():
                     return later
                 torch.cuda.synchronize()
                 start.record()
-                backend.forward_pipelined(*xs, bounds, HEAD_DIM ** -0.5, False, known, deferred, entering, senders,
-                                          summarised)
+                with arm_options:
+                    backend.forward_pipelined(*xs, bounds, HEAD_DIM ** -0.5, False, known, deferred, entering,
+                                              senders, summarised)
                 end.record()
                 torch.cuda.synchronize()
                 if i >= 2:

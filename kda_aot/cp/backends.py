@@ -27,7 +27,7 @@ states:
     summaries_of(prepared, requests, plan_segments) -> [(M, B or None)]               (optional)
         several segments' summaries at once (batched, each walked as pieces composed in fp32:
         another rounding order, within the fp32 summary bound); used instead of summary_of
-        unless KDA_AOT_CP_BATCHED_SUMMARIES=0. Each segment's bits depend only on the segment and
+        unless Options.cp_batched_summaries is off. Each segment's bits depend only on the segment and
         on plan_segments, which the op keeps the same in the forward and the backward.
     replay(prepared, states, do, dfinals) -> (ctx, dstates or None)                  (optional)
         the replay backward's forward(keep=True) on a prepared chunk stage and, when dfinals is
@@ -42,19 +42,12 @@ returns), replay = the forward walk (no output) beside the backward offset walk 
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Optional, Sequence
 
 import torch
 
-from .. import reference
+from .. import options, reference
 from .._tensor import host_table_to
-
-# The CP replay walks the rank's longest chain in pieces unless this knob is "0" (bench cp --ab).
-REPLAY_PIECES_KNOB = "KDA_AOT_CP_REPLAY_PIECES"
-# The CP forward's exchange and deferred walks on a stream of their own when this knob is "1"
-# (kda.chunk_kda_fwd_deferred(exchange_beside=)); off until measured on two GPUs (bench/NOTES.md, session 11).
-EXCHANGE_BESIDE_KNOB = "KDA_AOT_CP_EXCHANGE_BESIDE"
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -201,7 +194,7 @@ class CudaBackend:
         one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
         entering(prepared, final_state) then runs the summaries and the exchange (the senders' exit
         states are their final_state rows) and returns the deferred segments' entering states, whose
-        walks run beside the others; entering runs on a stream of its own (EXCHANGE_BESIDE_KNOB=1): what it
+        walks run beside the others; entering runs on a stream of its own (Options.cp_exchange_beside): what it
         makes that the caller keeps must be record_stream'd onto the current stream, and what it reads of
         `prepared` must be the `summarised` segments' (default: every deferred one). Each segment's walk
         is the one forward() runs: the same bits."""
@@ -210,7 +203,7 @@ class CudaBackend:
         o, finals, saved = chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
             deferred=deferred, entering=lambda prepared, finals: entering(prepared, finals).to(torch.float32).contiguous(),
-            save_tape=keep, senders=senders, exchange_beside=os.environ.get(EXCHANGE_BESIDE_KNOB, "0") == "1",
+            save_tape=keep, senders=senders, exchange_beside=options.current().cp_exchange_beside,
             summarised=summarised)
         return o, finals, (saved if keep else None)
 
@@ -223,13 +216,13 @@ class CudaBackend:
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
-        chain is walked in pieces (kda._replay_walks_pipelined(pieced=True); REPLAY_PIECES_KNOB=0: not, for
-        A/B runs): bitwise the same."""
+        chain is walked in pieces (kda._replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
+        not): bitwise the same."""
         from ..kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                                       tuple(skip_bwd), pieced=os.environ.get(REPLAY_PIECES_KNOB, "1") == "1")
+                                       tuple(skip_bwd), pieced=options.current().cp_replay_pieces)
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;

@@ -23,11 +23,11 @@ gradients are bitwise equal.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
 
 import torch
+from .. import options
 from ..packing import PLANNED_FROM_HOST
 from . import keys
 from .backends import backend_name, get_backend
@@ -41,7 +41,7 @@ __all__ = ["chunk_kda_cp", "chunk_kda_cp_agreed", "kda_facts", "BACKWARD_MODES",
 BACKWARD_MODES = ("replay", "saved")
 
 # Phase timing for the CP benchmark (issue 4: time in communication vs in the summary walks):
-# with KDA_AOT_CP_TIMING=1 every call appends (phase, start event, end event) on its device's
+# with Options.debug_timing every call appends (phase, start event, end event) on its device's
 # current stream (host clocks on the CPU); phase_times() syncs and returns {phase: [ms, ...]}.
 _PHASES: list = []
 
@@ -57,7 +57,7 @@ def _clock(device: torch.device):
 class _Phase:
     def __init__(self, name: str, device: torch.device):
         self.name, self.device = name, device
-        self.on = os.environ.get("KDA_AOT_CP_TIMING") == "1"
+        self.on = options.current().debug_timing
 
     def __enter__(self):
         self.start = _clock(self.device) if self.on else None
@@ -70,7 +70,7 @@ class _Phase:
 
 
 def phase_times(clear: bool = True) -> dict:
-    """{phase: [milliseconds per call]} recorded since the last clear (see KDA_AOT_CP_TIMING)."""
+    """{phase: [milliseconds per call]} recorded since the last clear (see Options.debug_timing)."""
     out: dict = {}
     for name, a, b in _PHASES:
         if isinstance(a, float):
@@ -131,10 +131,9 @@ def _summary(backend, prepared, f, k, v, g, beta, need_b: bool):
 
 
 def _batched_summaries_on() -> bool:
-    """A backend's summaries_of, all fragments at once in pieces (default; KDA_AOT_CP_BATCHED_SUMMARIES=0:
-    one summary per fragment). Session 6, CP2 on two H200s: doc_zigzag B3 83.3 -> 69.4 ms on Q1,
-    contiguous Q6 73.1 -> 65.2 (bench/NOTES.md)."""
-    return os.environ.get("KDA_AOT_CP_BATCHED_SUMMARIES", "1") == "1"
+    """A backend's summaries_of, all fragments at once in pieces (Options.cp_batched_summaries; off:
+    one summary per fragment, the slower order kept to check the batched one bitwise)."""
+    return options.current().cp_batched_summaries
 
 
 def _summaries(backend, prepared, local, frags, k, v, g, beta, need_b: bool) -> dict:
@@ -155,10 +154,9 @@ def _pipeline_on() -> bool:
     here beside the chunk stage, those whose exit state others wait for first; then the summaries,
     the exchange and the other walks) and replay_pipelined in the replay backward, whose backward
     walk runs in full there for the fragments that end their document (their exit-state gradient is
-    known: no second walk; rewalk for the others). Default since session 9 (CP2 B3 on Q1, two H200s:
-    contiguous 57.79 -> 52.74 ms, zigzag 55.03 -> 54.39); KDA_AOT_CP_PIPELINE=0: the plain order
-    (prepare, summaries, exchange, forward), within the fp32 summary bound of it."""
-    return os.environ.get("KDA_AOT_CP_PIPELINE", "1") == "1"
+    known: no second walk; rewalk for the others). Options.cp_pipeline off: the plain order (prepare,
+    summaries, exchange, forward), within the fp32 summary bound of it."""
+    return options.current().cp_pipeline
 
 
 def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):

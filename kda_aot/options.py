@@ -1,0 +1,92 @@
+"""Options of the launch path: which forms and orders the ops run, parsed once.
+
+The shipped choice of every option is its default. Benchmarks and tests pass other values with
+`using(Options(...))` around the calls they make (a context variable: the ops read it when they run,
+so a compiled graph called inside the block sees it too); the package reads no environment on the
+call path. For debugging only, `KDA_AOT_OPTIONS` (e.g. `walk_form=full,pipeline=0`) is read once at
+import as the default.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from dataclasses import dataclass
+
+WALK_FORMS = ("auto", "full", "split", "quarter")
+
+
+@dataclass(frozen=True)
+class Options:
+    # the state walks: "auto" (the fit rule picks per launch) or one form for every walk launch
+    walk_form: str = "auto"
+    # kernel forms of the chunk stage, the gate and kda_bwd_chunk ("": the shipped form)
+    chunk_form: str = ""
+    gate_form: str = ""
+    bwd_chunk_form: str = ""
+    # the chunk stage a segment group at a time beside the walks (False: one launch, then the walks)
+    pipeline: bool = True
+    # the replay backward's forward walks beside its backward walks, and the last group in pieces
+    replay_overlap: bool = True
+    # at most this many heads per replay-backward group (0: as many as memory holds)
+    max_heads: int = 0
+    # context parallelism: the pipelined orders, the summaries batched, the replay in pieces
+    cp_pipeline: bool = True
+    cp_batched_summaries: bool = True
+    cp_replay_pieces: bool = True
+    # context parallelism, not yet measured on two GPUs: the exchange beside the walks, and the
+    # last group of the senders in pieces
+    cp_exchange_beside: bool = False
+    cp_piece_senders: bool = False
+    # record the CP phases' device times (kda_aot.cp.phase_times)
+    debug_timing: bool = False
+
+    def __post_init__(self):
+        if self.walk_form not in WALK_FORMS:
+            raise ValueError(f"kda_aot Options: walk_form must be one of {WALK_FORMS}, got {self.walk_form!r}")
+        if not isinstance(self.max_heads, int) or self.max_heads < 0:
+            raise ValueError(f"kda_aot Options: max_heads must be an int >= 0, got {self.max_heads!r}")
+
+    def replace(self, **changes) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+
+def parse(text: str) -> Options:
+    """Options from `name=value,name=value` (booleans as 0/1, true/false)."""
+    fields = {f.name: f.type for f in dataclasses.fields(Options)}
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"kda_aot options {text!r}: {item!r} is not name=value for one of {sorted(fields)}")
+        kind = fields[name]
+        if kind == "bool":
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"kda_aot options: {name} takes 0/1 or true/false, got {value!r}")
+            values[name] = value.lower() in ("1", "true")
+        elif kind == "int":
+            values[name] = int(value)
+        else:
+            values[name] = value
+    return Options(**values)
+
+
+DEFAULT = parse(os.environ.get("KDA_AOT_OPTIONS", ""))
+_CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar("kda_aot_options", default=DEFAULT)
+
+
+def current() -> Options:
+    """The options in force for this call."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def using(options: Options | None = None, **changes):
+    """Run the block with `options` (or the current ones with `changes`)."""
+    token = _CURRENT.set((options or current()).replace(**changes))
+    try:
+        yield current()
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,69 @@
+"""kda_aot.options: parsed once, changed only by `using`, checked; no environment read on the call path."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kda_aot
+from kda_aot import fit, options
+from kda_aot.options import Options
+
+
+def test_defaults_are_the_shipped_choices():
+    o = Options()
+    assert (o.walk_form, o.pipeline, o.replay_overlap, o.max_heads) == ("auto", True, True, 0)
+    assert (o.cp_pipeline, o.cp_batched_summaries, o.cp_replay_pieces) == (True, True, True)
+    assert (o.cp_exchange_beside, o.cp_piece_senders, o.debug_timing) == (False, False, False)
+    assert (o.chunk_form, o.gate_form, o.bwd_chunk_form) == ("", "", "")
+
+
+def test_parse_and_bad_values():
+    o = options.parse("walk_form=full, pipeline=0,max_heads=4,cp_exchange_beside=true")
+    assert o == Options(walk_form="full", pipeline=False, max_heads=4, cp_exchange_beside=True)
+    assert options.parse("") == Options()
+    with pytest.raises(ValueError, match="not name=value"):
+        options.parse("pipelines=0")
+    with pytest.raises(ValueError, match="0/1 or true/false"):
+        options.parse("pipeline=yes")
+    with pytest.raises(ValueError, match="walk_form must be one of"):
+        Options(walk_form="half")
+    with pytest.raises(ValueError, match="max_heads"):
+        Options(max_heads=-1)
+
+
+def test_using_nests_and_restores():
+    base = options.current()
+    with options.using(walk_form="split") as outer:
+        assert options.current() is outer and outer.walk_form == "split"
+        with options.using(pipeline=False):
+            assert options.current() == base.replace(walk_form="split", pipeline=False)
+        assert options.current() == outer
+        assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132) == (("split", 0, 2),)
+    assert options.current() == base
+    with pytest.raises(RuntimeError):
+        with options.using(Options(walk_form="full")):
+            raise RuntimeError
+    assert options.current() == base
+
+
+def test_environment_read_once_at_import():
+    code = "from kda_aot import options; print(options.current().walk_form, options.current().pipeline)"
+    root = Path(kda_aot.__file__).resolve().parent.parent
+    env = dict(os.environ, KDA_AOT_OPTIONS="walk_form=quarter,pipeline=0", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["quarter", "False"]
+    env["KDA_AOT_OPTIONS"] = "pipline=0"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "not name=value" in bad.stderr
+
+
+def test_the_package_reads_no_environment_on_the_call_path():
+    """Only the registry (which arch to load without a GPU) and options (KDA_AOT_OPTIONS, at import)
+    read the environment."""
+    pkg = Path(kda_aot.__file__).resolve().parent
+    readers = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
+                     if re.search(r"os\.environ|os\.getenv", p.read_text()))
+    assert readers == ["options.py", "registry.py"], readers
