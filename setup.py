@@ -14,6 +14,7 @@ and dependencies are in pyproject.toml; the version is computed here from the ar
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import shutil
@@ -30,7 +31,14 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))  # codegen is this repo's build-time package
 
 VERSION = "0.1.0"
-CAPABILITY_ARCH = {"9.0": "sm_90a"}  # GPU compute capability -> the arch we render for
+
+
+def _arch_table():
+    """kda_aot/_runtime/arch.py, the one capability -> arch table, loaded without importing kda_aot (torch)."""
+    spec = importlib.util.spec_from_file_location("_kda_aot_arch", ROOT / "kda_aot" / "_runtime" / "arch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def target_arch() -> str:
@@ -41,7 +49,7 @@ def target_arch() -> str:
         out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30, check=True).stdout.split()
         if out:
-            return CAPABILITY_ARCH.get(out[0], "sm_" + out[0].replace(".", ""))
+            return _arch_table().arch_of(out[0].split("."))
     except (OSError, subprocess.SubprocessError):
         pass
     return "sm_90a"
@@ -182,7 +190,7 @@ setup(
     version=PACKAGE_VERSION,
     # The package and its data only: codegen and templates are build inputs, bench and tests stay in the checkout.
     packages=find_packages(exclude=["codegen", "codegen.*", "bench", "bench.*", "tests", "tests.*"]),
-    package_data={"kda_aot": ["fit_params.json"]},
+    package_data={"kda_aot.schedule": ["fit_params.json"]},
     include_package_data=False,  # what ships is package_data above, whatever else the tree holds
     ext_modules=[RecordExtension(r) for r in selected_records(ARCH)],
     cmdclass={"build_ext": BuildRecords, "build_py": BuildPy},

@@ -11,7 +11,7 @@ import torch
 
 from bench.packs import PACKS
 from bench.single import inputs
-from kda_aot import kda
+from kda_aot.schedule import kda
 
 PHASES = ("load", "cumsum", "qg/kg out", "Akk/Aqk mma", "masks+bar", "diag 8x8 | Aqk out", "diag X",
           "diag M+bar", "inverse (tensor cores)", "T+bar", "K e^G+bar", "W mma", "U mma+bar", "W/U out")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kda_aot import registry
-from kda_aot.conv import causal_conv1d_silu, conv1d_silu_backward, conv1d_silu_forward
+from kda_aot._runtime import registry
+from kda_aot.ops.conv import causal_conv1d_silu, conv1d_silu_backward, conv1d_silu_forward
 from .common import copy_ceiling_tbps, interleaved, row
 from .packs import HEAD_DIM, HEADS_DEFAULT, PACKS
 

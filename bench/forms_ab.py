@@ -19,9 +19,8 @@ from bench.common import interleaved, with_options
 from kda_aot import options
 from bench.packs import PACKS
 from bench.single import inputs
-from kda_aot import registry
-from kda_aot.kda import (BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_bwd_chunk,
-                         chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare)
+from kda_aot._runtime import registry
+from kda_aot.schedule.kda import BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare
 
 
 def main():
@@ -79,7 +78,7 @@ def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     but the last restricted to its chains' SMs (session 4's rule: restricted), and the plain order.
     (Retired in session 6, bench/NOTES.md: the last group on the SMs the earlier walks leave it,
     "held", and the replay's backward stages pipelined too, "critical+bwd".)"""
-    from kda_aot import fit
+    from kda_aot.schedule import fit
     from kda_aot import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)

@@ -1,4 +1,4 @@
-"""Measure the fit rule's step costs (kda_aot/fit.py) on this GPU and write kda_aot/fit_params.json
+"""Measure the fit rule's step costs (kda_aot/schedule/fit.py) on this GPU and write kda_aot/schedule/fit_params.json
 (or --out). The quarter form (test-only), when built, is timed alone too (rho_quarter_alone, chains =
 SM / 4) and in the table.
 
@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from bench.single import inputs
-from kda_aot import fit, registry
-from kda_aot._tensor import describe, stream_of
-from kda_aot.kda import CHUNK, chunk_kda_fwd
+from kda_aot.schedule import fit
+from kda_aot._runtime import registry
+from kda_aot._runtime.tensor import describe, stream_of
+from kda_aot.schedule.kda import CHUNK, chunk_kda_fwd
 
 WALKS = ("kda_fwd_tape", "kda_bwd_tape")
 
@@ -65,7 +66,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=256, help="chunks per chain")
     ap.add_argument("--table", action="store_true", help="also time chain counts 1, 2, 8, 64, 512 x H")
-    ap.add_argument("--out", default=None, help="write the JSON here instead of kda_aot/fit_params.json "
+    ap.add_argument("--out", default=None, help="write the JSON here instead of kda_aot/schedule/fit_params.json "
                     "(a run beside others that read the committed file)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -183,7 +183,7 @@ def bitwise(a: dict, b: dict) -> bool:
 
 def timing_rows(fla, base: dict, iters: int = 10) -> list:
     """Q1, H = 32: forward and replay step of kda_aot and FLA, interleaved medians (ms)."""
-    from kda_aot.kda import chunk_kda_fwd
+    from kda_aot.schedule.kda import chunk_kda_fwd
     x = make_case(Q1, 32, "unif-5", 1.0, False, 7)
     cu_cpu = x["cu"].cpu()
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]

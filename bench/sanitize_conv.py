@@ -6,8 +6,8 @@ warp shuffles in the row loop) on D = 256, two heads.
 """
 import torch
 
-from kda_aot import registry
-from kda_aot.conv import conv1d_silu_backward, conv1d_silu_forward
+from kda_aot._runtime import registry
+from kda_aot.ops.conv import conv1d_silu_backward, conv1d_silu_forward
 
 lens = [1, 2, 3, 4, 63, 64, 65, 700]
 T = sum(lens)

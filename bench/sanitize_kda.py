@@ -3,8 +3,8 @@ initial and final state."""
 import torch
 import torch.nn.functional as F
 
-from kda_aot import registry
-from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare
+from kda_aot._runtime import registry
+from kda_aot.schedule.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare
 
 lens, H = [1, 63, 64, 65, 200], 2
 T = sum(lens)
@@ -23,7 +23,7 @@ for form in ("full", "split"):
 do, dht = torch.randn_like(q), torch.randn_like(h0)
 chunk_kda_bwd(saved, do, dht)
 # a mixed walk plan: one launch per run of segments, each on its own stream (sliced segment tables)
-from kda_aot import fit  # noqa: E402
+from kda_aot.schedule import fit  # noqa: E402
 plan_walk = fit.plan_walk
 fit.plan_walk = lambda *args, **kw: (("split", 0, 1), ("full", 1, 3), ("split", 3, 5))
 _, _, mixed = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
@@ -33,7 +33,7 @@ fit.plan_walk = plan_walk
 # the pipelined forward: chunk-stage launches over chunk ranges, each group's walk on a side stream
 chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
               pipeline=True)
-from kda_aot.norm import l2norm_backward, l2norm_forward
+from kda_aot.ops.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
 # the test-only forms, each when built (one missing does not hide the others)

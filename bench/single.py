@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_aot import chunk_kda
-from kda_aot.kda import chunk_kda_fwd
+from kda_aot.schedule.kda import chunk_kda_fwd
 from .common import interleaved, peak_gib, row, with_walk_form
 from .packs import HEAD_DIM, PACKS
 

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.packs import PACKS
 from bench.single import inputs
 from kda_aot import chunk_kda
-from kda_aot.kda import chunk_kda_fwd
+from kda_aot.schedule.kda import chunk_kda_fwd
 
 
 def short(name: str) -> str:

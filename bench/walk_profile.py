@@ -10,8 +10,8 @@ import argparse
 import torch
 
 from bench.single import inputs
-from kda_aot import registry
-from kda_aot.kda import CHUNK, chunk_kda_prepare, chunk_kda_walk
+from kda_aot._runtime import registry
+from kda_aot.schedule.kda import CHUNK, chunk_kda_prepare, chunk_kda_walk
 
 PHASES = ("issue", "S+tape", "stage wait", "bar1", "WS/QS", "V'", "bar2", "update+AqkV'", "O", "bar3")
 

@@ -62,7 +62,7 @@ RECORDS: tuple[Record, ...] = (
            select="the conv alone (v; q and k without the norm)", grid=_BWD_GRID),
     # The per-head L2 norm of q and k fused into their conv (PackedKDA, CUDA backend, head dim 128): saves
     # the norm's own pass over each tensor both ways (session 9: l2norm 0.53 ms forward and 0.78 ms backward
-    # per tensor on CP2 Q1's 125 k tokens x 4,096 channels). l2norm_eps = kda_aot.norm.L2NORM_EPS (tested).
+    # per tensor on CP2 Q1's 125 k tokens x 4,096 channels). l2norm_eps = kda_aot.ops.norm.L2NORM_EPS (tested).
     Record(program=_FWD, form="l2norm",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
                    "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 8},
@@ -138,7 +138,7 @@ RECORDS: tuple[Record, ...] = (
     # quarter over full 2.0-2.5x with at most SM/4 chains (rho_quarter_alone 0.40 fwd, 0.47 bwd): it ships too.
     # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
     # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/fit.py,
-    # kda_aot/fit_params.json) picks per launch.
+    # kda_aot/schedule/fit_params.json) picks per launch.
     # Session 7: the forward walk's products on wgmma (S, V' read from shared memory once per warpgroup)
     # and O out through shared memory in whole rows (forms_ab.py walkmma then, Q1 / Q2 / Q6, H = 32):
     # full-form walk 8.65 -> 7.70, 12.62 -> 11.40, 17.05 -> 15.40 ms (the mma.sync walks retired).

@@ -16,13 +16,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import reference, registry
+from . import reference
+from ._runtime import registry
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
-from .norm import WIDTH, l2norm_torch
+from .ops.norm import WIDTH, l2norm_torch
 
 __all__ = ["PackedKDA"]
 
@@ -50,7 +51,7 @@ class PackedKDA(nn.Module):
     backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
     backend: "auto" (per call: "cuda" for bf16 inputs on a GPU the kernels serve, else "reference") |
     "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
-    "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.kda, single
+    "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.schedule.kda, single
     device or through the CUDA backend of kda_aot.cp; head_dim must be 128).
     """
 
@@ -95,7 +96,7 @@ class PackedKDA(nn.Module):
     def _conv_ops(self, x, backend: str):
         """(single-device conv(x, weight, bias, cu_seqlens, l2norm), the CP conv's ops for q, k, v)."""
         if backend == "cuda":
-            from .conv import causal_conv1d_silu
+            from .ops.conv import causal_conv1d_silu
 
             def conv(x, w, b, cu_seqlens, l2norm):
                 return causal_conv1d_silu(x, w, b, cu_seqlens=cu_seqlens, l2norm=l2norm)
@@ -176,7 +177,7 @@ class PackedKDA(nn.Module):
         host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
         qc, kc, vc = self._conv_qkv(q, k, v, host, None, None, backend)
         if backend == "cuda":
-            from .chunk import chunk_kda
+            from .ops.chunk_kda import chunk_kda
             o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=host, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  backward=self.backward_mode)

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ._tensor import check_cu_seqlens
+from ._runtime.tensor import check_cu_seqlens
 
 __all__ = [
     "kda_recurrent",

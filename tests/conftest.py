@@ -38,7 +38,7 @@ if INSTALLED:
 else:
     sys.path.insert(0, str(ROOT))  # the codegen package and kda_aot from the checkout
 
-from kda_aot import registry  # noqa: E402  (after the path is settled)
+from kda_aot._runtime import registry  # noqa: E402  (after the path is settled)
 
 # The test-only records (build.test.json): not in a wheel, so tests of them skip in the installed run.
 TEST_ONLY_RECORDS = frozenset((r["program"], r["form"])

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from conftest import HAS_GPU
-from kda_aot import causal_conv1d_silu, registry
-from kda_aot._tensor import describe
-from kda_aot.conv import conv1d_silu_backward
+from kda_aot import causal_conv1d_silu
+from kda_aot._runtime import registry
+from kda_aot._runtime.tensor import describe
+from kda_aot.ops.conv import conv1d_silu_backward
 
 DEV = "cuda" if HAS_GPU else "cpu"
 
@@ -74,7 +75,7 @@ def test_mixed_devices_are_refused():
 
 def test_kernel_calls_refuse_views_and_empty_documents():
     """The kernel calls take contiguous tensors and no zero-length document; causal_conv1d_silu takes both."""
-    from kda_aot.conv import checked_boundaries, conv1d_silu_forward
+    from kda_aot.ops.conv import checked_boundaries, conv1d_silu_forward
     x, w, b, cu, h = good()
     with pytest.raises(ValueError, match="x: expected contiguous"):
         conv1d_silu_forward(x.transpose(1, 2).contiguous().transpose(1, 2), w, b, cu, h)
@@ -129,9 +130,9 @@ def test_l2norm_form_needs_whole_heads():
 
 
 def test_l2norm_form_eps_is_the_norms():
-    """The l2norm records bake in kda_aot.norm.L2NORM_EPS (the same norm as the separate l2norm kernel)."""
+    """The l2norm records bake in kda_aot.ops.norm.L2NORM_EPS (the same norm as the separate l2norm kernel)."""
     from codegen.catalog import RECORDS
-    from kda_aot.norm import L2NORM_EPS
+    from kda_aot.ops.norm import L2NORM_EPS
     forms = [r for r in RECORDS if r.program.startswith("conv1d_silu") and r.params["l2norm"]]
     assert {r.program for r in forms} == {"conv1d_silu_fwd", "conv1d_silu_bwd"}
     for r in forms:

@@ -68,7 +68,7 @@ def test_batched_summaries_match_reference_and_keep_their_bits():
     walked from zero and composed in fp32): M and B against the fp64 reference; a request for a
     subset with the same plan_segments gives each segment's M bitwise (the backward's M are the
     forward's); B is None where not asked for."""
-    from kda_aot import fit
+    from kda_aot.schedule import fit
     lens, H = [130, 5000, 65, 3000, 1], 2
     q, k, v, g, beta, cu, _ = make(lens, H, "rand", rng("cp-batched"), False)
     cu_local = cu.cpu().tolist()
@@ -163,7 +163,7 @@ def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch,
     walked again - first, or on a side stream beside kda_bwd_chunk over the others, as
     fit.rewalk_beside decides; both forced here) against prepare(), replay() then backward() with the
     true gradients: the saved context, D and every gradient bitwise."""
-    from kda_aot import fit
+    from kda_aot.schedule import fit
     monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     lens, H = [65, 1, 300, 700, 2300], 2
     q, k, v, g, beta, cu, states = make(lens, H, "rand", rng("cp-rewalk"), True)

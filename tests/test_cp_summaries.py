@@ -66,9 +66,9 @@ def test_batched_summaries_gather_the_pieces(monkeypatch):
     reference over the tokens of each view segment's chunk rows (which must be consecutive chunks
     of one segment, with gamma rows gathered alongside), so the composed summaries must equal each
     requested segment's own summary to fp64 rounding, for pieces planned on a larger set."""
-    from kda_aot import fit, kda
+    from kda_aot.schedule import fit, kda
     from kda_aot.cp.backends import CudaBackend
-    from kda_aot.packing import pack_tables
+    from kda_aot._runtime.packing import pack_tables
 
     gen = torch.Generator().manual_seed(SEED + 11)
     H, K = 2, 8

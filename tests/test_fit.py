@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_aot import fit
+from kda_aot.schedule import fit
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def test_few_chains_use_the_alone_cost():
 def test_knob_and_unmeasured_rho(monkeypatch, kda_options, caplog):
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {})
-    with caplog.at_level(logging.INFO, logger="kda_aot.fit"):
+    with caplog.at_level(logging.INFO, logger="kda_aot.schedule.fit"):
         assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
     assert "rho not measured" in caplog.text
     assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "split") == (("split", 0, 2),)
@@ -129,7 +129,7 @@ def test_quarter_step_cost_is_read_only_where_quarter_ships(monkeypatch, tmp_pat
 
 def test_quarter_shipped_matches_the_wheel_manifest():
     """QUARTER_SHIPPED names exactly the programs whose quarter record build.json ships."""
-    from kda_aot import registry
+    from kda_aot._runtime import registry
     shipped = [r for r in registry.records() if r["shipped"]]
     assert fit.QUARTER_SHIPPED == {r["program"] for r in shipped if r["form"] == "quarter"}
 

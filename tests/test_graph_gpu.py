@@ -21,7 +21,7 @@ def test_b3_step_captures_and_replays_bitwise(monkeypatch, kda_options, mode, pl
     pipeline: the pipelined forward and replay (Options.pipeline), the groups' walks on side streams."""
     kda_options(pipeline=pipeline == "1")
     if plan is not None:
-        from kda_aot import fit
+        from kda_aot.schedule import fit
         monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)
     H, lens = 4, [700, 1, 64, 300]
     T, D = sum(lens), H * 128

@@ -61,7 +61,7 @@ def test_modules_and_data_are_the_source_trees():
 
 
 def test_every_shipped_record_has_its_module_and_loads():
-    from kda_aot import registry
+    from kda_aot._runtime import registry
     package = installed_package()
     assert registry.in_checkout() is False
     assert [r["name"] for r in registry.records()] == [r["name"] for r in shipped_records()]
@@ -77,7 +77,7 @@ def test_every_shipped_record_has_its_module_and_loads():
 
 
 def test_fit_rule_reads_the_installed_parameters():
-    from kda_aot import fit
-    assert fit.PARAMS_FILE.resolve() == installed_package() / "fit_params.json"
-    measured = json.loads((ROOT / "kda_aot" / "fit_params.json").read_text())["programs"]
+    from kda_aot.schedule import fit
+    assert fit.PARAMS_FILE.resolve() == installed_package() / "schedule" / "fit_params.json"
+    measured = json.loads((ROOT / "kda_aot" / "schedule" / "fit_params.json").read_text())["programs"]
     assert set(fit.measured_rho()) == set(measured) and measured

@@ -10,7 +10,7 @@ import torch
 
 from conftest import SEED, gpu
 from kda_aot import reference
-from kda_aot.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.schedule.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
 from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, poisoned, rel_rms, require_form, rng
 
 pytestmark = gpu
@@ -286,7 +286,7 @@ def test_mixed_walk_plans_are_bitwise_the_uniform_walk(monkeypatch, plan):
     """A plan mixing the forms (one launch per run of segments, each on its own stream, overlapping)
     gives every output of both walks bitwise as one full-width launch: forward o, final state, tape,
     V'; backward dtape, d(initial state)."""
-    from kda_aot import fit
+    from kda_aot.schedule import fit
     lens, H = [1000, 64, 300, 65, 5], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("mixed", plan)), True)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("mixed-do", plan))).to(torch.bfloat16)
@@ -329,7 +329,7 @@ def test_batched_input_and_qk_l2norm_follow_fla_conventions():
     """Without cu_seqlens, [B, T, H, 128] is B documents of T tokens (bitwise the packed run);
     use_qk_l2norm_in_kernel normalises q and k first, differentiably."""
     from kda_aot import chunk_kda
-    from kda_aot.norm import l2norm  # the fused kernel pair, as chunk_kda uses
+    from kda_aot.ops.norm import l2norm  # the fused kernel pair, as chunk_kda uses
     B, T, H = 3, 100, 2
     q, k, v, g, beta, cu, h0 = make([T] * B, H, "rand", rng("batched"), True)
     raw = [x.clone() for x in (q, k)]
@@ -376,8 +376,8 @@ def test_pieced_replay_walks_are_bitwise_the_unpieced_ones(lens, init, skip):
     piece first; its forward walk through the pieces from the front, its backward walk from the back,
     each from its neighbour's end state; 47 chunks: 5 pieces, 32: 4) writes the bits of the unpieced
     order, the skipped backward walk (skip_bwd) left out alike; the pieced run's tensors allocated over NaN."""
-    from kda_aot import fit
-    from kda_aot.kda import _replay_walks_pipelined
+    from kda_aot.schedule import fit
+    from kda_aot.schedule.kda import _replay_walks_pipelined
     from test_kda_fwd_gpu import nan_filled_allocator
     lengths = tuple(-(-n // 64) for n in lens)
     chosen = fit.pieced_group(lengths, cp=True)
@@ -405,7 +405,7 @@ def test_pipelined_replay_walks_are_bitwise_replay_walks(chains, init):
     """The pipelined replay (chunk stage per segment group, the group's two walks on side streams)
     returns the saved context and walk results of chunk_kda_prepare + replay_walks, bit for bit;
     its tensors are allocated over NaN (nan_filled_allocator), so a range left unwritten shows."""
-    from kda_aot.kda import _replay_walks_pipelined, chunk_kda_prepare, replay_walks
+    from kda_aot.schedule.kda import _replay_walks_pipelined, chunk_kda_prepare, replay_walks
     from test_kda_fwd_gpu import nan_filled_allocator
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline-replay", chains, init)), init)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-replay-do", chains))).to(torch.bfloat16)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conftest import SEED, gpu
 from kda_aot import reference
-from kda_aot.kda import chunk_kda_fwd, chunk_kda_walk
+from kda_aot.schedule.kda import chunk_kda_fwd, chunk_kda_walk
 
 pytestmark = gpu
 REL = 1e-2
@@ -32,7 +32,7 @@ def poisoned(x):
 def require_form(program, form):
     """Skip, with the reason, when a test-only record is not built; fail when it is stale (a template
     edited but not rebuilt is exactly what a test of that form must not pass over)."""
-    from kda_aot import registry
+    from kda_aot._runtime import registry
     try:
         registry.library(program, form)
     except registry.RecordError as e:
@@ -96,7 +96,7 @@ def test_lean_chunk_form_matches_reference(pack, gate):
     exp to bf16, then the packed product) against the fp64 reference, same bound as every form; and
     deterministic (two runs bitwise); gamma bitwise the test-only balanced form's."""
     require_form("kda_fwd_chunk", "balanced")
-    from kda_aot.kda import chunk_kda_prepare, chunk_kda_walk
+    from kda_aot.schedule.kda import chunk_kda_prepare, chunk_kda_walk
     q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("lean", pack, gate)), True)
     runs = []
     for _ in range(2):
@@ -159,7 +159,7 @@ def test_chunk_forms_are_bitwise_equal(pack, gate):
     """kda_fwd_chunk/balanced (Akk/Aqk tiles spread over the warps, the diagonal substitution in
     registers: the shipped lean's schedule) writes every output bit as /default (each warp its own
     rows) does."""
-    from kda_aot.kda import chunk_kda_prepare
+    from kda_aot.schedule.kda import chunk_kda_prepare
     require_form("kda_fwd_chunk", "default")
     require_form("kda_fwd_chunk", "balanced")
     q, k, v, g, beta, cu, _ = make(PACKS[pack], 5, gate, rng(("chunk-forms", pack, gate)), False)
@@ -174,7 +174,7 @@ def test_chunk_forms_are_bitwise_equal(pack, gate):
 def test_early_gate_chunk_form_is_bitwise_lean(pack, gate):
     """kda_fwd_chunk/lean_early_gate (test-only: the gate's tile waited for alone, its running sum
     beside the q, k, v copies) writes every output bit as the shipped lean does."""
-    from kda_aot.kda import chunk_kda_prepare
+    from kda_aot.schedule.kda import chunk_kda_prepare
     require_form("kda_fwd_chunk", "lean_early_gate")
     q, k, v, g, beta, cu, _ = make(PACKS[pack], 5, gate, rng(("early-gate", pack, gate)), False)
     a = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True, chunk_form="lean")
@@ -258,7 +258,7 @@ def test_pipelined_forward_is_bitwise_the_plain_one(chains, save_tape, init):
 def test_pipelined_forward_with_forced_walk_forms(monkeypatch):
     """Each group's walk goes through the fit rule on its own segments: forced split and a mixed plan
     (side streams of the group's own pool) inside the pipeline are bitwise the plain order too."""
-    from kda_aot import fit
+    from kda_aot.schedule import fit
     lens = [1025, 193, 1563, 487, 625, 205]  # six segments: groups of one and two segments
     q, k, v, g, beta, cu, h0 = make(lens, 4, "rand", rng("pipeline-forms"), True)
     o1, h1, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,

@@ -1,4 +1,4 @@
-"""The per-head L2 norm kernels (kda_aot.norm) against the fp64 formula, and their bad-input errors.
+"""The per-head L2 norm kernels (kda_aot.ops.norm) against the fp64 formula, and their bad-input errors.
 
 Bounds: y and dx are rounded to bf16 once after fp32 arithmetic on exact bf16 inputs (a 128-term
 fp32 sum, relative error ~1e-6), so their relative RMS error is the bf16 rounding, ~2^-9 / sqrt(3)
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import HAS_GPU, gpu
-from kda_aot.norm import L2NORM_EPS, l2norm, l2norm_backward, l2norm_forward
+from kda_aot.ops.norm import L2NORM_EPS, l2norm, l2norm_backward, l2norm_forward
 
 DEV = "cuda" if HAS_GPU else "cpu"
 

@@ -247,7 +247,7 @@ def test_compiled_step_is_bitwise_eager(mode):
 @pytest.mark.parametrize("mode", ["replay", "saved"])
 def test_reduce_overhead_replays_bitwise_on_every_pack(mode):
     """mode="reduce-overhead": inductor's kernels replay as CUDA graphs, the ops planned from cu_seqlens
-    run between them (kda_aot.packing.PLANNED_FROM_HOST), no cudagraph skip; every step is bitwise the
+    run between them (kda_aot._runtime.packing.PLANNED_FROM_HOST), no cudagraph skip; every step is bitwise the
     eager step, also after the pack changes under the same shapes (a graph of one pack's launches
     would replay them for the other)."""
     from torch._dynamo.utils import counters

@@ -11,8 +11,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda_aot
-from kda_aot.chunk import SAVED, max_chunks
-from kda_aot.packing import CHUNK, chunk_table
+from kda_aot.ops.chunk_kda import SAVED, max_chunks
+from kda_aot._runtime.packing import CHUNK, chunk_table
 
 OPS = torch.ops.kda_aot
 BF = torch.bfloat16

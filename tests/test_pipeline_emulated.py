@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import SEED
-from kda_aot import fit, kda
+from kda_aot.schedule import fit, kda
 
 
 def _rows(t):

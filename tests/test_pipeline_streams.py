@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import test_pipeline_emulated as emu
-from kda_aot import fit, kda
+from kda_aot.schedule import fit, kda
 
 
 class _Clocked:

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import options, reference
-from .._tensor import host_table_to
+from .._runtime.tensor import host_table_to
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -96,7 +96,7 @@ class ReferenceBackend:
 
 
 class CudaBackend:
-    """The KDA kernels (kda_aot.kda) behind the same seam: summary = the forward walk from a zero
+    """The KDA kernels (kda_aot.schedule.kda) behind the same seam: summary = the forward walk from a zero
     state (B = its final state) + the transfer walk (M); forward(keep) = the forward kernels keeping
     the tape; backward = the backward kernels on that saved context (reusable: it is read only).
     States fp32; q, k, v, dO bf16."""
@@ -108,21 +108,21 @@ class CudaBackend:
         return "CudaBackend()"
 
     def summary(self, k, v, g, beta, lo: int, hi: int):
-        from ..kda import chunk_kda_prepare
+        from ..schedule.kda import chunk_kda_prepare
         frag = [x[:, lo:hi] for x in (k, v, g, beta)]
         cu = torch.tensor([0, hi - lo], dtype=torch.int32)  # CPU boundaries: no host sync
         # the kernels take a q; the fragment's k stands in (no output is computed)
         return self.summary_of(chunk_kda_prepare(frag[0], *frag, cu_seqlens=cu), 0, True)
 
     def prepare(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool):
-        from ..kda import chunk_kda_prepare
+        from ..schedule.kda import chunk_kda_prepare
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep)
 
     def summary_of(self, prepared, segment: int, need_b: bool):
         """(M, B) of one local segment from the prepared chunk stage: the same chunk-stage values
         as a fragment prepared alone (chunks restart at segment starts), so the same bits."""
-        from ..kda import chunk_kda_transfer, chunk_kda_walk, segment_view
+        from ..schedule.kda import chunk_kda_transfer, chunk_kda_walk, segment_view
         view = segment_view(prepared, segment)
         B = None
         if need_b:
@@ -139,8 +139,8 @@ class CudaBackend:
         walk (M), side by side, then composed in fp32 (summaries.compose_pieces). The chunk tables
         are gathered to the pieces (the kernels index per-chunk tensors by the table's rows), the
         token tensors shared. Another rounding order than summary_of: within the fp32 summary bound."""
-        from .. import fit
-        from ..kda import _sm_count, chunk_kda_transfer, chunk_kda_walk
+        from ..schedule import fit
+        from ..schedule.kda import _sm_count, chunk_kda_transfer, chunk_kda_walk
         from .summaries import compose_pieces
         lengths = prepared["chain_lengths"]
         H, device = prepared["q"].shape[2], prepared["q"].device
@@ -167,7 +167,7 @@ class CudaBackend:
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
                 scale: float, keep: bool, prepared=None):
-        from ..kda import chunk_kda_walk
+        from ..schedule.kda import chunk_kda_walk
         if prepared is None:
             prepared = self.prepare(q, k, v, g, beta, cu_local, scale, keep)
         o, finals, saved = chunk_kda_walk(prepared, initial_state=states.to(torch.float32).contiguous(),
@@ -179,7 +179,7 @@ class CudaBackend:
         `dfinals` is given, the state-gradient walk for D — which reads only the chunk stage — side
         by side (kda.replay_walks). Returns (saved context, D or None): the same bits as forward()
         then state_grads()."""
-        from ..kda import replay_walks
+        from ..schedule.kda import replay_walks
         saved, bwd = replay_walks(prepared, states.to(torch.float32).contiguous(),
                                   None if dfinals is None else do.to(torch.bfloat16).contiguous(),
                                   None if dfinals is None else dfinals.to(torch.float32).contiguous(),
@@ -198,7 +198,7 @@ class CudaBackend:
         makes that the caller keeps must be record_stream'd onto the current stream, and what it reads of
         `prepared` must be the `summarised` segments' (default: every deferred one). Each segment's walk
         is the one forward() runs: the same bits."""
-        from ..kda import chunk_kda_fwd_deferred
+        from ..schedule.kda import chunk_kda_fwd_deferred
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         o, finals, saved = chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
@@ -218,7 +218,7 @@ class CudaBackend:
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
         chain is walked in pieces (kda._replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
         not): bitwise the same."""
-        from ..kda import _replay_walks_pipelined
+        from ..schedule.kda import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
@@ -228,12 +228,12 @@ class CudaBackend:
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
         rewalk (with walk): segments whose walk ran from a stand-in exit-state gradient and runs again
         from dfinals' rows (beside kda_bwd_chunk over the other segments where that hides it)."""
-        from ..kda import chunk_kda_bwd
+        from ..schedule.kda import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                              walk=walk, rewalk=rewalk)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
-        from ..kda import chunk_kda_bwd_walk
+        from ..schedule.kda import chunk_kda_bwd_walk
         return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                                   need_dtape=False)[1]  # the offset walk: no tape written
 
@@ -252,7 +252,7 @@ def backend_name(backend) -> str:
 def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
     """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': kda_aot.registry.auto_backend(like)."""
     if backend == "auto":
-        from ..registry import auto_backend
+        from .._runtime.registry import auto_backend
         backend = auto_backend(like)
     if isinstance(backend, str):
         if backend.startswith("object:"):  # backend_name's key of a backend object

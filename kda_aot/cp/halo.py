@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .._tensor import host_table_to
-from ..packing import PLANNED_FROM_HOST
+from .._runtime.tensor import host_table_to
+from .._runtime.packing import PLANNED_FROM_HOST
 from ..reference import CONV_WIDTH
 from . import keys
 from .exchange import exchange_flat, payload_layout, post_agreement, resolve_group
@@ -202,7 +202,7 @@ class ReferenceConv:
 
 
 class CudaConv:
-    """The kernels of kda_aot.conv (bf16 x and y, fp32 taps, fp32 weight and halo gradients); l2norm:
+    """The kernels of kda_aot.ops.conv (bf16 x and y, fp32 taps, fp32 weight and halo gradients); l2norm:
     the form with the per-head L2 norm fused (causal_conv1d_silu(l2norm=True))."""
 
     def __init__(self, l2norm: bool = False):
@@ -216,12 +216,12 @@ class CudaConv:
         return x.dtype
 
     def forward(self, x, w, b, cu_seqlens, halo):
-        from ..conv import _f32, checked_boundaries, conv1d_silu_forward, conv_form
+        from ..ops.conv import _f32, checked_boundaries, conv1d_silu_forward, conv_form
         cu = checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
         return conv1d_silu_forward(x, _f32(w), _f32(b), cu, halo, form=conv_form(x, self.l2norm))
 
     def backward(self, x, w, b, cu_seqlens, halo, dy):
-        from ..conv import _f32, checked_boundaries, conv1d_silu_backward, conv_form
+        from ..ops.conv import _f32, checked_boundaries, conv1d_silu_backward, conv_form
         cu = checked_boundaries(x, w, b, halo, _host_bounds(cu_seqlens))
         dx, dw, db, dhalo = conv1d_silu_backward(x, _f32(w), _f32(b), cu, dy.contiguous(), halo, need_dhalo=True,
                                                  form=conv_form(x, self.l2norm))
@@ -229,7 +229,7 @@ class CudaConv:
 
 
 def _host_bounds(cu_seqlens) -> torch.Tensor:
-    # the plan's boundaries stay on the host (kda_aot.packing caches their device copy: no sync)
+    # the plan's boundaries stay on the host (kda_aot._runtime.packing caches their device copy: no sync)
     return cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens, dtype=torch.int32)
 
 
@@ -490,7 +490,7 @@ def conv_arguments(xs, weights, biases, conv):
     if len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"conv1d_silu_cp: {len(xs)} inputs but {len(weights)} weights and {len(biases)} biases")
     if isinstance(conv, str) and conv == "auto":
-        from ..registry import auto_backend
+        from .._runtime.registry import auto_backend
         conv = auto_backend(xs[0])
     conv = conv_of(conv) if isinstance(conv, str) else conv
     convs = list(conv) if isinstance(conv, (list, tuple)) else [conv] * len(xs)

@@ -28,13 +28,12 @@ from typing import Optional
 
 import torch
 from .. import options
-from ..packing import PLANNED_FROM_HOST
+from .._runtime.packing import PLANNED_FROM_HOST
 from . import keys
 from .backends import backend_name, get_backend
 from .exchange import check_agreement, exchange, resolve_group
 from .plan import CPPlan
-from .summaries import (backward_payload_size, compose_entering_states, compose_exit_grads,
-                        exit_state, forward_payload_size)
+from .summaries import backward_payload_size, compose_entering_states, compose_exit_grads, exit_state, forward_payload_size
 
 __all__ = ["chunk_kda_cp", "chunk_kda_cp_agreed", "kda_facts", "BACKWARD_MODES", "phase_times"]
 

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._tensor import check_cu_seqlens
+from .._runtime.tensor import check_cu_seqlens
 from . import keys
 
 __all__ = ["LAYOUTS", "CHUNK", "Fragment", "CPPlan", "make_plan"]

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-PACKAGE = Path(__file__).resolve().parent
+from .arch import CAPABILITY_ARCH, arch_of
+
+PACKAGE = Path(__file__).resolve().parent.parent  # kda_aot/
 REPO = PACKAGE.parent
 BUILD_HINT = "python setup.py build_ext --inplace"
 TEST_BUILD_HINT = "KDA_AOT_TEST_RECORDS=1 python setup.py build_ext --inplace"
 INSTALL_HINT = "reinstall kda_aot from a wheel built for this arch (`KDA_AOT_ARCH=<arch> pip wheel .` in a checkout)"
-CAPABILITY_ARCH = {(9, 0): "sm_90a"}  # compute capability -> the arch our records are rendered for
 
 
 class RecordError(RuntimeError):
@@ -63,8 +64,7 @@ def records() -> tuple[dict, ...]:
 def running_arch() -> str:
     """Arch of the current CUDA device; without a GPU, KDA_AOT_ARCH or sm_90a (for loading only)."""
     if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        return CAPABILITY_ARCH.get(cap, f"sm_{cap[0]}{cap[1]}")
+        return arch_of(torch.cuda.get_device_capability())
     return os.environ.get("KDA_AOT_ARCH", "sm_90a")
 
 
@@ -119,7 +119,7 @@ def serves(device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    arch = CAPABILITY_ARCH.get(torch.cuda.get_device_capability(device))
+    arch = CAPABILITY_ARCH.get(tuple(torch.cuda.get_device_capability(device)))
     return arch is not None and any(r["arch"] == arch and r["shipped"] for r in records())
 
 

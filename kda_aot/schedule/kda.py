@@ -1,12 +1,12 @@
 """Single-device chunked KDA on packed documents (DESIGN.md §2): the kernel calls and their order.
 
 Shapes: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 (log decay per channel), beta [1, T, H]
-bf16, cu_seqlens [N + 1] (or its kda_aot.packing.PackTables), initial/final state [N, H, 128, 128]
+bf16, cu_seqlens [N + 1] (or its kda_aot._runtime.packing.PackTables), initial/final state [N, H, 128, 128]
 fp32, one row per segment (a non-empty document). The forward runs two programs: kda_fwd_chunk
 (chunk-parallel W, U, Aqk, ...) and kda_fwd_tape (the sequential state walk with the output stage
 fused; it also writes the fp32 state at every chunk start and V' when the saved-context backward
 needs them). The backward runs kda_bwd_tape (the state-gradient walk), kda_bwd_chunk (plain
-products) and kda_bwd_gate (gated products). The public op over both is kda_aot.chunk (chunk_kda).
+products) and kda_bwd_gate (gated products). The public op over both is kda_aot.ops.chunk_kda.
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import itertools
 
 import torch
 
-from . import fit, options, registry
-from ._tensor import describe, host_table_to, out_or, stream_of
-from .packing import CHUNK, PackTables, pack_tables
+from . import fit
+from .. import options
+from .._runtime import registry
+from .._runtime.tensor import describe, host_table_to, out_or, stream_of
+from .._runtime.packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
 MAX_HEADS = 64

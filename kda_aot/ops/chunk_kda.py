@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import kda
-from .kda import HEAD_DIM, MAX_HEADS
+from ..schedule import kda
+from ..schedule.kda import HEAD_DIM, MAX_HEADS
 from .norm import l2norm
-from .packing import CHUNK, PLANNED_FROM_HOST
+from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 
 BACKWARD_MODES = ("replay", "saved")
 # The saved context of backward="saved": the chunk stage's and the forward walk's outputs that the

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import registry
-from ._tensor import describe, out_or, stream_of
+from .._runtime import registry
+from .._runtime.tensor import describe, out_or, stream_of
 
 L2NORM_EPS = 1e-6
 WIDTH = 128

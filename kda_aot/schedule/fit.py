@@ -20,11 +20,11 @@ consecutive segments of one form, each on its own stream so that they overlap (a
 split runs first, then the full runs in segment order: the order their CTAs are taken in).
 Every chain computes the same values in either form, so any plan gives bitwise the same result.
 
-Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/fit_params.json, which
+Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/schedule/fit_params.json, which
 ships with the package; a missing file is an error); while a program has no entry there, `auto` keeps
 `full` and says so in the log. Decisions are
 cached per (program, chain lengths, H, SM count, knob); every launch can be logged as
-(program, form, chains) on the `kda_aot.fit` logger at DEBUG level.
+(program, form, chains) on the `kda_aot.schedule.fit` logger at DEBUG level.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import json
 import logging
 from pathlib import Path
 
-from . import options
+from .. import options
 
 # quarter (four CTAs of 32 columns): `auto` considers it only for a program whose fit_params entry
 # has rho_quarter_alone and whose quarter record ships (QUARTER_SHIPPED, checked against build.json
@@ -42,7 +42,7 @@ from . import options
 FORMS = options.WALK_FORMS[1:]  # full, split, quarter
 QUARTER_SHIPPED: frozenset = frozenset({"kda_fwd_tape", "kda_bwd_tape"})  # quarter in build.json
 PARAMS_FILE = Path(__file__).with_name("fit_params.json")
-log = logging.getLogger("kda_aot.fit")
+log = logging.getLogger(__name__)
 
 
 def makespan(chain_steps: list[float], slots: int) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._tensor import check_cu_seqlens
+from .tensor import check_cu_seqlens
 
 CHUNK = 64  # tokens per chunk; a chunk never crosses a segment, a segment's last chunk may be short
 

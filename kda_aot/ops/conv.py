@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from . import registry
-from ._tensor import describe, out_or, stream_of
-from .packing import PLANNED_FROM_HOST, pack_tables
+from .._runtime import registry
+from .._runtime.tensor import describe, out_or, stream_of
+from .._runtime.packing import PLANNED_FROM_HOST, pack_tables
 
 WIDTH = 4
 
@@ -160,7 +160,7 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     graph capture needs) or x's device, halo: [N, 3, D] bf16 or None (the 3
     tokens before each segment; zeros where a segment starts its document). Returns y [1, T, D] bf16.
     l2norm: y normalised per head of 128 channels in the same pass, y / sqrt(sum_head y^2 + 1e-6)
-    (kda_aot.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
+    (kda_aot.ops.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
     """
     form = conv_form(x, l2norm)
     _check(x, weight, bias, halo, cu_seqlens)
