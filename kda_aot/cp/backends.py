@@ -53,7 +53,7 @@ from .._tensor import host_table_to
 # The CP replay walks the rank's longest chain in pieces unless this knob is "0" (bench cp --ab).
 REPLAY_PIECES_KNOB = "KDA_AOT_CP_REPLAY_PIECES"
 # The CP forward's exchange and deferred walks on a stream of their own when this knob is "1"
-# (kda.chunk_kda_fwd_deferred(exchange_beside=)); off until measured on two GPUs (bench/NOTES.md, session 11).
+# (kda.chunk_kda_fwd_deferred(exchange_beside=)); off until measured on two GPUs (docs/cp.md).
 EXCHANGE_BESIDE_KNOB = "KDA_AOT_CP_EXCHANGE_BESIDE"
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]

@@ -133,7 +133,7 @@ def _summary(backend, prepared, f, k, v, g, beta, need_b: bool):
 def _batched_summaries_on() -> bool:
     """A backend's summaries_of, all fragments at once in pieces (default; KDA_AOT_CP_BATCHED_SUMMARIES=0:
     one summary per fragment). Session 6, CP2 on two H200s: doc_zigzag B3 83.3 -> 69.4 ms on Q1,
-    contiguous Q6 73.1 -> 65.2 (bench/NOTES.md)."""
+    contiguous Q6 73.1 -> 65.2 (docs/cp.md)."""
     return os.environ.get("KDA_AOT_CP_BATCHED_SUMMARIES", "1") == "1"
 
 
