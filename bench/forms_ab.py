@@ -76,7 +76,7 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
 def pipeline_ab(q, k, v, g, beta, cu, pack, H):
     """The pipelined order under the shipped rule (fit.pipelined_walk_sms: critical), with every walk
     but the last restricted to its chains' SMs (session 4's rule: restricted), and the plain order.
-    (Retired in session 6, bench/NOTES.md: the last group on the SMs the earlier walks leave it,
+    (Retired in session 6, docs/fit_rule.md and docs/backward.md: the last group on the SMs the earlier walks leave it,
     "held", and the replay's backward stages pipelined too, "critical+bwd".)"""
     from kda_aot.schedule import fit
     from kda_aot import chunk_kda

@@ -71,7 +71,7 @@ RECORDS: tuple[Record, ...] = (
            params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 8, "min_blocks": 2,
                    "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 4},
            select="q and k of PackedKDA with qk_l2norm (head dim 128)", grid=_BWD_GRID),
-    # Variants kept to measure against the shipped form (bench/NOTES.md) and to check it bitwise.
+    # Variants kept to measure against the shipped form (docs/conv.md) and to check it bitwise.
     Record(program=_FWD, form="c8",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 8, "unroll": 4, "min_blocks": 1,
                    "l2norm": False},
@@ -146,7 +146,7 @@ RECORDS: tuple[Record, ...] = (
     # value-column halves 7.46 -> 6.79, 11.11 -> 10.06, 14.62 -> 13.27 ms (forward Q1 15.07 -> 14.85);
     # the split form so was serialized by ptxas (registers at two CTAs per SM) and slower (Q6 forward
     # 19.10 -> 19.63), so split and quarter keep the warpgroup roles. Every form of either kind computes
-    # every element bitwise the same (bench/NOTES.md, session 8; the forms tests check it).
+    # every element bitwise the same (docs/forward.md; the forms tests check it).
     Record(program="kda_fwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "vsplit": True, "profile": False},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
@@ -171,7 +171,7 @@ RECORDS: tuple[Record, ...] = (
     # chunk's tiles issued during the products): forms_ab.py walkmma then, the walk alone 9.07 -> 7.95
     # (Q1), 13.33 -> 11.19 (Q2), 17.90 -> 15.10 ms (Q6). Its split form spilled at two CTAs per SM and
     # the steps that pick split (Q2, Q6) ran 3 % slower with it: split and quarter stay on mma.sync.
-    # Bitwise equal across the kinds (bench/NOTES.md, session 8; the forms tests check it).
+    # Bitwise equal across the kinds (docs/backward.md; the forms tests check it).
     Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "wgmma": True},
            select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",

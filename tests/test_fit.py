@@ -82,7 +82,7 @@ def test_mixed_plans(monkeypatch):
     # Q1 at 32 heads: the 1,585-chunk document split on 64 SMs (0.62 x 1585 = 983), the other 96
     # chains full on the other 68 SMs in launch order (641, 1216, 465 per head): 68 start at once,
     # a 1,216-chunk chain queues behind a 641-chunk one (1857). Longest first would give 1216 and
-    # pick this plan; the H200 ran it 8 % slower than full (bench/NOTES.md): full it is.
+    # pick this plan; the H200 ran it 8 % slower than full (docs/fit_rule.md): full it is.
     assert fit.mixed_makespan(q1, 32, 132, {0}, 0.62) == pytest.approx(641.0 + 1216.0)
     assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("full", 0, 4),)
     # Q4 at 32 heads: 64 full chains on 68 free SMs, no queue: the mixed plan
@@ -183,7 +183,7 @@ def test_pipelined_walk_sms():
     """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless it
     stays the critical path on every SM with the rest of the chunk stage slowed beside it (then all
     SMs); the last group's on all, unless the forward walks it in pieces (one SM per chain then). The
-    packs' decisions are the ones measured (forms_ab pipeline; the pieces: bench/NOTES.md session 8)."""
+    packs' decisions are the ones measured (forms_ab pipeline; the pieces: docs/fit_rule.md)."""
     fit.pipelined_walk_sms.cache_clear()
     # many short documents, four groups: the chains outnumber the SMs anyway
     short = tuple([20] * 400)

@@ -3,7 +3,7 @@ roundings (bf16 dA's and inputs, gated operands as bf16 hi + lo, fp32 accumulati
 
   current  (the shipped kernel): per 16-row block pair, the gated operand rebuilt per row block I
            (rows: anchor 16 I; cols: anchor 16 J + 15), diagonal blocks at their middle row;
-  horner   (bench/NOTES.md, "Sketch for the gate"): operands built once per row (rows: Y_j anchored
+  horner   (docs/backward.md, "The horner sketch"): operands built once per row (rows: Y_j anchored
            at the start of the block after j's; cols: X_i at its own block's start), the per-channel
            block decay delta_K = e^(Gam[16(K+1)] - Gam[16K]) carried on the accumulator between
            k-blocks (Horner), one row scaling at the end; diagonal blocks as in `current`.

@@ -12,7 +12,7 @@ The chains are scheduled in the order the GPU takes them: the block scheduler ha
 CTAs in blockIdx order (segment fastest, then head, then column group) to whichever slot frees
 first; it does not sort them longest first. The two orders agree while every chain gets a slot at
 once; they part when chains queue: on Q1 at H = 32 a longest-first model predicted a mixed plan
-23 % faster than full, the H200 ran it 8 % slower (bench/NOTES.md), and launch order predicts it.
+23 % faster than full, the H200 ran it 8 % slower (docs/fit_rule.md), and launch order predicts it.
 
 A launch may also mix the forms: the k longest documents split (each split CTA alone on its SM,
 `rho_alone`), the others full on the SMs left over. The walk then runs as one launch per run of
@@ -268,7 +268,7 @@ def lead_pieces(pieces: int) -> int:
 
 
 # The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/lean took
-# 12.71 ms for Q1's 3,907 chunks x 32 heads (session 6, bench/forms_ab.py chunk, bench/NOTES.md).
+# 12.71 ms for Q1's 3,907 chunks x 32 heads (session 6, bench/forms_ab.py chunk, docs/forward.md).
 CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102
 # The chunk stage runs about this much slower beside walks spread over every SM (a walk CTA on an SM
 # leaves shared memory for one chunk-stage CTA instead of two), by the number of walk programs that

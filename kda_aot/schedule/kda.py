@@ -728,7 +728,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
     the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
     chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
-    bound by the sum of its kernels' SM time, bench/NOTES.md.) skip_bwd (context parallelism):
+    bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
     pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),
