@@ -30,7 +30,7 @@ if [ -n "${SINGLE:-}" ]; then
   stamp "single $SINGLE rc $?"; grep -E '"arm"' "$W/single.log" | python3 -c "
 import json, sys
 for line in sys.stdin:
-    r = json.loads(line); print(r['pack'], r['boundary'], r.get('mode', ''), r['arm'], r.get('walk_form', ''), r['ms'])"
+    r = json.loads(line); print(r['pack'], r['boundary'], r.get('mode', ''), r['arm'], r.get('walk_form', ''), r.get('ms', r.get('ratio')))"
 fi
 timeout -s INT -k 15 $(cap 400) python3 -X faulthandler -m pytest -q -rs --durations=10 \
   ${TESTS:-tests/test_kda_fwd_gpu.py tests/test_graph_gpu.py tests/test_nn.py tests/test_l2norm.py tests/test_conv_gpu.py tests/test_kda_bwd_gpu.py tests/test_cp_cuda.py} \

@@ -1,17 +1,17 @@
 """Options of the launch path: which forms and orders the ops run, parsed once.
 
 The shipped choice of every option is its default. Benchmarks and tests pass other values with
-`using(Options(...))` around the calls they make (a context variable: the ops read it when they run,
-so a compiled graph called inside the block sees it too); the package reads no environment on the
-call path. For debugging only, `KDA_AOT_OPTIONS` (e.g. `walk_form=full,pipeline=0`) is read once at
+`using(Options(...))` around the calls they make. The options are process-wide, not per thread: the ops
+read them when they run, and autograd runs a backward on a thread of its own (a compiled graph called
+inside the block sees them too). The package reads no environment on the call path. For debugging only, `KDA_AOT_OPTIONS` (e.g. `walk_form=full,pipeline=0`) is read once at
 import as the default.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import os
+import threading
 from dataclasses import dataclass
 
 WALK_FORMS = ("auto", "full", "split", "quarter")
@@ -74,19 +74,30 @@ def parse(text: str) -> Options:
 
 
 DEFAULT = parse(os.environ.get("KDA_AOT_OPTIONS", ""))
-_CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar("kda_aot_options", default=DEFAULT)
+_current = DEFAULT
+_lock = threading.Lock()
 
 
 def current() -> Options:
     """The options in force for this call."""
-    return _CURRENT.get()
+    return _current
+
+
+def swap(options: Options) -> Options:
+    """Make `options` current; returns the ones it replaced (for a caller that restores them itself)."""
+    global _current
+    if not isinstance(options, Options):
+        raise TypeError(f"kda_aot options: expected an Options, got {type(options).__name__}")
+    with _lock:
+        previous, _current = _current, options
+    return previous
 
 
 @contextlib.contextmanager
 def using(options: Options | None = None, **changes):
-    """Run the block with `options` (or the current ones with `changes`)."""
-    token = _CURRENT.set((options or current()).replace(**changes))
+    """Run the block with `options` (or the current ones with `changes`); restored on exit."""
+    previous = swap((options or current()).replace(**changes))
     try:
         yield current()
     finally:
-        _CURRENT.reset(token)
+        swap(previous)

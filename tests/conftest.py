@@ -80,11 +80,10 @@ def gen(request):
 def kda_options():
     """set(**changes): kda_aot's Options changed so for the rest of the test (kda_aot.options.using)."""
     from kda_aot import options
-    tokens = []
+    before = options.current()
 
     def set_options(**changes):
-        tokens.append(options._CURRENT.set(options.current().replace(**changes)))
+        options.swap(options.current().replace(**changes))
 
     yield set_options
-    for token in reversed(tokens):
-        options._CURRENT.reset(token)
+    options.swap(before)

@@ -68,3 +68,35 @@ def test_the_package_reads_no_environment_on_the_call_path():
     readers = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
                      if re.search(r"os\.environ|os\.getenv", p.read_text()))
     assert readers == ["_runtime/registry.py", "options.py"], readers
+
+
+def test_other_threads_see_the_options():
+    """Autograd runs a backward on a thread of its own: the options set around a step reach it."""
+    import threading
+    seen = []
+    with options.using(walk_form="quarter", pipeline=False):
+        t = threading.Thread(target=lambda: seen.append(options.current()))
+        t.start()
+        t.join()
+    assert seen == [options.DEFAULT.replace(walk_form="quarter", pipeline=False)]
+    assert options.current() == options.DEFAULT
+
+
+def test_the_backward_sees_the_options():
+    """A CPU autograd Function's backward reads the options of the block the step ran in."""
+    import torch
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, dy):
+            Probe.seen = options.current().chunk_form
+            return dy
+
+    x = torch.ones(3, requires_grad=True)
+    with options.using(chunk_form="balanced"):
+        Probe.apply(x).sum().backward()
+    assert Probe.seen == "balanced"
