@@ -16,6 +16,7 @@ import itertools
 import torch
 
 from . import fit
+from .plan import PipelinePlan, forward_plan, replay_plan
 from .. import options
 from .._runtime import registry
 from .._runtime.tensor import describe, host_table_to, out_or, stream_of
@@ -247,47 +248,26 @@ def _pipeline_on(pipeline=None) -> bool:
     return options.current().pipeline if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, pieced=None,
-               before_join=None, first: tuple = (), lead: bool = False, piece_order=None, stage_done=None):
-    """The pipelined order: the chunk stage of each segment group (fit.plan_pipeline) on the current
-    stream; after it, launch_group(i, first, end, streams) launches the group's walks on its
-    side streams (one per pool), which wait for that chunk stage (and the groups' before it), so the
-    walks run beside the chunk stage of the groups after it. pieced (the forward, the CP replay):
-    (group, chunk bounds on the device (int32), on the host) of the group whose one segment is cut in
-    pieces (fit.pieced_group): its chunk stage a piece at a time, each followed by
-    launch_group(i, first, end, streams, (piece, device bounds)) for that piece, in piece_order
-    (default: first to last); lead (context parallelism): its first fit.lead_pieces pieces go ahead of
-    every other group, the others right after the `first` ones; else they go where the group does.
+def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, plan: PipelinePlan,
+               piece_chunks=None, before_join=None, stage_done=None):
+    """Run a pipelined plan (kda_aot.schedule.plan): each launch's chunk stage on the current stream,
+    then launch_group(i, first, end, streams) launches group i's walks on its side streams (one per pool),
+    which wait for that chunk stage (and the ones before it), so the walks run beside the chunk stage of
+    the launches after it; for a piece of the pieced group, launch_group(i, first, end, streams, (piece,
+    piece_chunks)) with piece_chunks the pieces' chunk bounds on the device (int32).
     before_join(groups, streams): called once every launch is queued, before the side streams are
-    joined (its launches on the current stream run beside the walks; streams[i]: group i's side streams). first: fit.plan_pipeline's
-    segments that go first (the pieced group may be one of them). stage_done (a dict): {group: an
-    event recorded on the current stream once that group's chunk stage is queued}. The side streams are
-    joined back into the current stream, also when a launch raises: queued work may still read the
-    caller's tensors."""
+    joined (its launches on the current stream run beside the walks; streams[i]: group i's side
+    streams). stage_done (a dict): {group: an event recorded on the current stream once that group's
+    chunk stage is queued}. The side streams are joined back into the current stream, also when a
+    launch raises: queued work may still read the caller's tensors."""
     q = prepared["q"]
-    groups = fit.plan_pipeline(prepared["chain_lengths"], first)
-    first_chunk = (0, *itertools.accumulate(prepared["chain_lengths"]))
+    groups = plan.groups
     main = torch.cuda.current_stream(q.device)
     streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
-    # (group, piece or None) in launch order
-    launches = [(i, None) for i in range(len(groups))]
-    if pieced is not None:
-        k, device_bounds, bounds = pieced
-        pieces = [(k, p) for p in (range(len(bounds) - 1) if piece_order is None else piece_order)]
-        rest = [g for g in launches if g != (k, None)]
-        if lead:  # the rank's critical walk starts at once; the senders' chunk stage once it has slack (fit)
-            h = fit.lead_pieces(len(pieces))
-            senders = sum(1 for i, _ in rest if groups[i][0] in first)  # their groups lead `rest`
-            launches = pieces[:h] + rest[:senders] + pieces[h:] + rest[senders:]
-        else:
-            launches = rest[:k] + pieces + rest[k:]
     try:
-        for i, p in launches:
+        for i, p in plan.launches:
             a, b = groups[i]
-            if p is None:
-                _launch_chunk_stage(prepared, chunk_form, initial_state, first_chunk[a], first_chunk[b])
-            else:
-                _launch_chunk_stage(prepared, chunk_form, initial_state, bounds[p], bounds[p + 1])
+            _launch_chunk_stage(prepared, chunk_form, initial_state, *plan.chunk_range(i, p))
             for pool in streams:
                 pool[i].wait_stream(main)
             if stage_done is not None and p is None:
@@ -295,7 +275,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
             if p is None:
                 launch_group(i, a, b, [pool[i] for pool in streams])
             else:
-                launch_group(i, a, b, [pool[i] for pool in streams], (p, device_bounds))
+                launch_group(i, a, b, [pool[i] for pool in streams], (p, piece_chunks))
         if before_join is not None:
             before_join(groups, [[pool[i] for pool in streams] for i in range(len(groups))])
     finally:
@@ -333,22 +313,20 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     summarised = deferred if summarised is None else sorted(summarised)
     if not set(summarised) <= set(deferred):
         raise ValueError(f"summarised segments {summarised} must be deferred ones ({deferred})")
-    # One group's segment in pieces (fit.pieced_group; one GPU: the last group, whose walk would
-    # otherwise start only once its whole chunk stage is done and then run alone at the end; CP: the
-    # rank's longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored
-    # and loaded exactly: bitwise the one walk). Never a deferred segment (it waits for the exchange).
-    cp = entering is not None
-    chosen = fit.pieced_group(lengths, first, tuple(deferred), cp)  # one GPU defers nothing
-    pieces = bounds = None
-    if chosen is not None:
-        bounds = chosen[1]
+    # One group's segment in pieces (plan.pieces; one GPU: the last group, whose walk would otherwise
+    # start only once its whole chunk stage is done and then run alone at the end; CP: the rank's
+    # longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored and
+    # loaded exactly: bitwise the one walk). Never a deferred segment (it waits for the exchange).
+    plan = forward_plan(lengths, H, sms, first=first, deferred=tuple(deferred), cp=entering is not None)
+    bounds = piece_chunks = None
+    if plan.pieces is not None:
+        bounds = plan.pieces.bounds
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
         handoff = torch.empty(len(bounds) - 2, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
-        pieces = (chosen[0], piece_chunks, bounds)
 
     def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
-        sm_count = fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, sms, i, 1, first, piece is not None)
+        sm_count = plan.sms_of("kda_fwd_tape", i)
         # the group's segments but the deferred ones, in runs of consecutive segments
         runs = segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)) if deferred else [(a, b)]
         for ra, rb in runs:
@@ -404,8 +382,8 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                 main.wait_stream(on)
     stage_done = {} if exchange_beside else None
     before = torch.cuda.current_stream(q.device).record_event() if exchange_beside else None
-    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, pieces,
-               walk_deferred if entering is not None else None, first, lead=cp, stage_done=stage_done)
+    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, plan, piece_chunks,
+               walk_deferred if entering is not None else None, stage_done=stage_done)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None
@@ -746,15 +724,12 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     outs = _walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
     dtape = torch.empty(C, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
-    half = max(1, _sm_count(q.device) // 2)
-    lengths = prepared["chain_lengths"]
-    chosen = fit.pieced_group(lengths, cp=True) if pieced else None
-    pieces = order = None
-    if chosen is not None:
-        bounds = chosen[1]
+    plan = replay_plan(prepared["chain_lengths"], H, _sm_count(q.device), pieced=pieced)
+    piece_chunks = None
+    if plan.pieces is not None:
+        bounds = plan.pieces.bounds
         n = len(bounds) - 1
-        pieces = (chosen[0], host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device), bounds)
-        order = [p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j))]  # 0, n-1, 1, n-2, ...
+        piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
         fwd_handoff = torch.empty(n - 1, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
         bwd_handoff = torch.empty(n - 1, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
         produced, walked = set(), {"fwd": 0, "bwd": n - 1}  # the next piece each walk goes through
@@ -771,7 +746,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
             with torch.cuda.stream(streams[0]):
                 chunk_kda_walk(piece_view(prepared, a, chunks, bounds, r), initial_state=start,
                                output_final_state=r < n - 1, save_tape=True, out=run_out, want_output=False,
-                               sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
+                               sm_count=plan.sms_of("kda_fwd_tape", i),
                                pool=f"kda_fwd_tape/replay{i}")
             walked["fwd"] += 1
         while a not in skip_bwd and walked["bwd"] >= 0 and walked["bwd"] in produced:
@@ -781,7 +756,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
             with torch.cuda.stream(streams[1]):
                 chunk_kda_bwd_walk(piece_view(prepared, a, chunks, bounds, r), do, end,
                                    out={"dtape": dtape, "dinitial_state": into},
-                                   sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
+                                   sm_count=plan.sms_of("kda_bwd_tape", i),
                                    pool=f"kda_bwd_tape/replay{i}")
             walked["bwd"] -= 1
 
@@ -792,16 +767,16 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
         with torch.cuda.stream(streams[0]):
             chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
                            out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
-                           sm_count=fit.pipelined_walk_sms("kda_fwd_tape", lengths, H, half, i, 2),
+                           sm_count=plan.sms_of("kda_fwd_tape", i),
                            pool=f"kda_fwd_tape/replay{i}")
         with torch.cuda.stream(streams[1]):
             for ra, rb in segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
                 chunk_kda_bwd_walk(segments_view(prepared, ra, rb), do, None if dht is None else dht[ra:rb],
                                    out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
-                                   sm_count=fit.pipelined_walk_sms("kda_bwd_tape", lengths, H, half, i, 2),
+                                   sm_count=plan.sms_of("kda_bwd_tape", i),
                                    pool=f"kda_bwd_tape/replay{i}")
-    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, pieces,
-               lead=pieces is not None, piece_order=order)
+    _pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, plan,
+               piece_chunks)
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 

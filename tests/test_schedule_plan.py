@@ -1,0 +1,76 @@
+"""The launch planner (kda_aot.schedule.plan) on the CPU: every plan covers each chunk once, in the
+launch order the pipelined executors run (tests/test_pipeline_emulated.py runs them)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kda_aot.schedule import fit
+from kda_aot.schedule.plan import forward_plan, replay_plan
+
+Q1 = (1585, 641, 1216, 465)          # chunks per document of bench pack Q1
+CP2_Q1_RANK0 = (1584, 368)           # rank 0 of CP2 contiguous on Q1 (a sent chain: segment 1)
+
+
+def covered(plan):
+    """Each chunk's chunk stage is launched exactly once, and each group's walks after all of it."""
+    chunks = []
+    for g, p in plan.launches:
+        c0, c1 = plan.chunk_range(g, p)
+        chunks += range(c0, c1)
+    assert sorted(chunks) == list(range(sum(plan.chain_lengths)))
+    assert {g for g, _ in plan.launches} == set(range(len(plan.groups)))
+
+
+@pytest.mark.parametrize("lengths", [Q1, (5,), (3, 3), (700, 1, 64, 300), tuple(range(1, 40))])
+def test_forward_plans_cover_every_chunk_once(lengths):
+    plan = forward_plan(lengths, 32, 132)
+    covered(plan)
+    assert plan.groups == tuple(fit.plan_pipeline(lengths))
+    assert len(dict(plan.walk_sms)["kda_fwd_tape"]) == len(plan.groups)
+
+
+def test_q1_forward_plan():
+    """Q1: the longest documents first, the last group's document in pieces launched in order."""
+    plan = forward_plan(Q1, 32, 132)
+    assert plan.groups == ((0, 1), (2, 3), (1, 2), (3, 4))
+    pieces = plan.pieces
+    assert pieces.group == 3 and list(pieces.bounds) == fit.last_group_pieces(Q1)
+    assert plan.launches == ((0, None), (1, None), (2, None)) + tuple((3, p) for p in pieces.order)
+    assert pieces.order == tuple(range(len(pieces.bounds) - 1))
+    text = plan.explain()
+    assert text.startswith("forward plan: 4 segments") and text.count("chunk stage of chunks") == len(plan.launches)
+
+
+def test_cp_forward_plan_leads_with_the_critical_pieces():
+    """CP: the rank's longest chain in pieces, its first lead_pieces pieces ahead of the senders' group."""
+    plan = forward_plan(CP2_Q1_RANK0, 32, 132, first=(1,), cp=True)
+    covered(plan)
+    pieces = plan.pieces
+    assert pieces is not None and pieces.group != plan.groups.index((1, 2))
+    h = fit.lead_pieces(len(pieces.order))
+    assert plan.launches[:h] == tuple((pieces.group, p) for p in range(h))
+    assert plan.launches[h] == (plan.groups.index((1, 2)), None)    # the sender right after
+    assert plan.first == (1,)
+
+
+def test_replay_plan_orders_pieces_from_both_ends():
+    plan = replay_plan(CP2_Q1_RANK0, 32, 132, pieced=True)
+    covered(plan)
+    n = len(plan.pieces.bounds) - 1
+    assert plan.pieces.order[:4] == (0, n - 1, 1, n - 2)
+    assert sorted(plan.pieces.order) == list(range(n))
+    assert plan.sms == 66 and {prog for prog, _ in plan.walk_sms} == {"kda_fwd_tape", "kda_bwd_tape"}
+    assert replay_plan(Q1, 32, 132).pieces is None              # one GPU: no pieces in the replay
+
+
+def test_explain_command():
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "Q1", "32"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    assert "forward plan: 4 segments of [1585, 641, 1216, 465] chunks" in out and "replay plan" in out
+    assert "group 3 kda_fwd_tape:" in out and "group 3 kda_bwd_tape:" in out
+    lens = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "100,1,5000", "4"], cwd=root,
+                          capture_output=True, text=True, check=True).stdout
+    assert lens.startswith("pack: 3 documents, 5101 tokens")
