@@ -190,7 +190,7 @@ setup(
     version=PACKAGE_VERSION,
     # The package and its data only: codegen and templates are build inputs, bench and tests stay in the checkout.
     packages=find_packages(exclude=["codegen", "codegen.*", "bench", "bench.*", "tests", "tests.*"]),
-    package_data={"kda_aot.schedule": ["fit_params.json"]},
+    package_data={"kda_aot.schedule": ["fit_params/*.json"]},
     include_package_data=False,  # what ships is package_data above, whatever else the tree holds
     ext_modules=[RecordExtension(r) for r in selected_records(ARCH)],
     cmdclass={"build_ext": BuildRecords, "build_py": BuildPy},

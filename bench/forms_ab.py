@@ -74,35 +74,23 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
 
 
 def pipeline_ab(q, k, v, g, beta, cu, pack, H):
-    """The pipelined order under the shipped rule (fit.pipelined_walk_sms: critical), with every walk
-    but the last restricted to its chains' SMs (session 4's rule: restricted), and the plain order.
-    (Retired in session 6, docs/fit_rule.md and docs/backward.md: the last group on the SMs the earlier walks leave it,
-    "held", and the replay's backward stages pipelined too, "critical+bwd".)"""
-    from kda_aot.schedule import fit
+    """The pipelined order (the shipped plan, kda_aot.schedule.plan) against the plain order (variants that
+    lost are in docs/fit_rule.md: every walk restricted to its chains' SMs, the last group on the SMs
+    the others leave it, the replay's backward stages pipelined too)."""
     from kda_aot import chunk_kda
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     do = torch.randn_like(q)
-    shipped = dict(pipeline=True, critical=True)
-    arms = {"critical": {}, "restricted": dict(critical=False), "plain": dict(pipeline=False)}
-
-    def configure(setting):
-        fit.PIPELINE_CRITICAL_PATH = setting["critical"]
-        fit.pipelined_walk_sms.cache_clear()
+    arms = {"pipelined": True, "plain": False}
 
     def arm(name, mode):
         def run():
-            setting = dict(shipped, **arms[name])
-            configure(setting)
-            try:
-                with options.using(pipeline=setting["pipeline"]):
-                    if mode == "forward":
-                        chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
-                        return
-                    for x in leaves:
-                        x.grad = None
-                    chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
-            finally:
-                configure(shipped)
+            with options.using(pipeline=arms[name]):
+                if mode == "forward":
+                    chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+                    return
+                for x in leaves:
+                    x.grad = None
+                chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
         return run
     for mode in ("forward", "saved", "replay"):
         ms = interleaved({name: arm(name, mode) for name in arms}, iters=9 if mode == "forward" else 7, warmup=1)

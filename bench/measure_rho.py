@@ -1,4 +1,5 @@
-"""Measure the fit rule's step costs (kda_aot/schedule/fit.py) on this GPU and write kda_aot/schedule/fit_params.json
+"""Measure the fit rule's step costs (kda_aot/schedule/fit.py) on this GPU and write its table,
+kda_aot/schedule/fit_params/<gpu>.json (the pipeline's costs there are kept)
 (or --out). The quarter form (test-only), when built, is timed alone too (rho_quarter_alone, chains =
 SM / 4) and in the table.
 
@@ -66,7 +67,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=256, help="chunks per chain")
     ap.add_argument("--table", action="store_true", help="also time chain counts 1, 2, 8, 64, 512 x H")
-    ap.add_argument("--out", default=None, help="write the JSON here instead of kda_aot/schedule/fit_params.json "
+    ap.add_argument("--out", default=None, help="write the JSON here instead of kda_aot/schedule/fit_params/<gpu>.json "
                     "(a run beside others that read the committed file)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -91,8 +92,12 @@ def main():
             print(f"{p}: {max(1, sms // (4 * heads)) * heads} chains: full {quarter[(p, 'full')]:.3f} ms, split {quarter[(p, 'split')]:.3f} ms, "
                   f"quarter {quarter[(p, 'quarter')]:.3f} ms, rho_quarter_alone {r:.3f}")
             progs[p]["rho_quarter_alone"] = round(r, 4)
-    doc = {"about": "step costs of the fit rule, measured by bench/measure_rho.py", "programs": progs}
-    path = Path(args.out) if args.out else fit.PARAMS_FILE
+    path = Path(args.out) if args.out else fit.params_file()
+    gpu = torch.cuda.get_device_name()
+    old = fit.params_file(gpu)
+    doc = json.loads(old.read_text()) if old.is_file() else {
+        "about": f"the fit rule's costs on the {gpu} (programs: bench/measure_rho.py)", "gpu": gpu}
+    doc["programs"] = progs
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)  # atomic: a reader never sees a half-written file

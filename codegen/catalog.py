@@ -61,7 +61,7 @@ RECORDS: tuple[Record, ...] = (
                    "reduce_threads": 256, "l2norm": False},
            select="the conv alone (v; q and k without the norm)", grid=_BWD_GRID),
     # The per-head L2 norm of q and k fused into their conv (PackedKDA, CUDA backend, head dim 128): saves
-    # the norm's own pass over each tensor both ways (session 9: l2norm 0.53 ms forward and 0.78 ms backward
+    # the norm's own pass over each tensor both ways (l2norm 0.53 ms forward and 0.78 ms backward
     # per tensor on CP2 Q1's 125 k tokens x 4,096 channels). l2norm_eps = kda_aot.ops.norm.L2NORM_EPS (tested).
     Record(program=_FWD, form="l2norm",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
@@ -97,11 +97,10 @@ RECORDS: tuple[Record, ...] = (
            params={"threads": 128, "tokens_per_thread": 5, "channels": 4, "unroll": 2, "min_blocks": 1,
                    "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 1},
            select=_VARIANT, grid=_BWD_GRID, shipped=False),
-    # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): session 4
-    # default 16.04 ms, balanced 14.14 (bitwise equal); session 6 balanced 13.96, lean 12.71 (fp64-checked,
-    # saved == replay bitwise under it), so lean ships. Session 7: W, U and Aqk out through shared memory
-    # 11.93 ms against 12.64 from the fragments (bitwise equal; the fragment path retired). Session 8:
-    # lean's (I + L)^-1 on the tensor cores in 3xTF32 (off-diagonal blocks by doubling), its diagonal
+    # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): default
+    # 16.04 ms, balanced 14.14 (bitwise equal); balanced 13.96, lean 12.71 (fp64-checked, saved == replay
+    # bitwise under it), so lean ships. W, U and Aqk out through shared memory 11.93 ms against 12.64
+    # from the fragments (bitwise equal; the fragment path retired). lean's (I + L)^-1 on the tensor cores in 3xTF32 (off-diagonal blocks by doubling), its diagonal
     # blocks by doubling from 8 x 8: 11.84 -> 9.11 ms (bench/chunk_profile.py; fp64-checked, balanced and
     # default keep the CUDA-core inverse they are checked bitwise by).
     Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True,
@@ -113,7 +112,7 @@ RECORDS: tuple[Record, ...] = (
                                                              "profile": True, "early_gate": False},
            select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
            grid="as lean", shipped=False),
-    # Written in session 8 after the device budget ran out, not yet run: the gate's tile waited for
+    # Not yet measured (docs/forward.md): the gate's tile waited for
     # alone so that its running sum (~1.4 k of ~33 k cycles a CTA) overlaps the q, k, v copies;
     # bitwise lean (the same arithmetic in the same order).
     Record(program="kda_fwd_chunk", form="lean_early_gate", params={"threads": 256, "balanced": True, "lean": True,
@@ -137,36 +136,36 @@ RECORDS: tuple[Record, ...] = (
     # Walk forms (issue 5), measured on the H200 (bench/measure_rho.py, 2026-11-30, 256-chunk chains):
     # quarter over full 2.0-2.5x with at most SM/4 chains (rho_quarter_alone 0.40 fwd, 0.47 bwd): it ships too.
     # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
-    # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/fit.py,
-    # kda_aot/schedule/fit_params.json) picks per launch.
-    # Session 7: the forward walk's products on wgmma (S, V' read from shared memory once per warpgroup)
+    # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/schedule/fit.py
+    # and its per-GPU table) picks per launch.
+    # the forward walk's products on wgmma (S, V' read from shared memory once per warpgroup)
     # and O out through shared memory in whole rows (forms_ab.py walkmma then, Q1 / Q2 / Q6, H = 32):
     # full-form walk 8.65 -> 7.70, 12.62 -> 11.40, 17.05 -> 15.40 ms (the mma.sync walks retired).
-    # Session 8 (forms_ab.py walkmma, retired with the test-only kinds): the full form with the warpgroups splitting every product by
+    # (forms_ab.py walkmma, retired with the test-only kinds): the full form with the warpgroups splitting every product by
     # value-column halves 7.46 -> 6.79, 11.11 -> 10.06, 14.62 -> 13.27 ms (forward Q1 15.07 -> 14.85);
     # the split form so was serialized by ptxas (registers at two CTAs per SM) and slower (Q6 forward
     # 19.10 -> 19.63), so split and quarter keep the warpgroup roles. Every form of either kind computes
     # every element bitwise the same (docs/forward.md; the forms tests check it).
     Record(program="kda_fwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "vsplit": True, "profile": False},
-           select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
+           select="the fit rule (kda_aot/schedule/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks (128 value columns), output "
                 "fused; warpgroup g: W S, Q S, V', Aqk V' and O for value columns 64 g .., its state rows' update"),
     Record(program="kda_fwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
                                                          "vsplit": False, "profile": False},
-           select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
+           select="the fit rule (kda_aot/schedule/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM; warpgroup 0: "
                 "W S and V', warpgroup 1: Q S and O, each its half of the state update"),
     Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
                                                            "vsplit": False, "profile": False},
-           select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
+           select="the fit rule (kda_aot/schedule/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each; warpgroup roles as split"),
     Record(program="kda_fwd_tape", form="full_prof", params={"threads": 256, "columns": 128, "stages": 2,
                                                              "min_blocks": 1, "vsplit": True, "profile": True},
            select="bench/walk_profile.py only: `full` writing clock64 cycles per phase of a step",
            grid="as full", shipped=False),
-    # The backward walk: full on wgmma since session 8 (dS, dO, -dV' read from shared memory once per
+    # The backward walk: full on wgmma (dS, dO, -dV' read from shared memory once per
     # warpgroup; warpgroup g forms dV' for column half g and updates dS rows 64 g ..; the previous
     # chunk's tiles issued during the products): forms_ab.py walkmma then, the walk alone 9.07 -> 7.95
     # (Q1), 13.33 -> 11.19 (Q2), 17.90 -> 15.10 ms (Q6). Its split form spilled at two CTAs per SM and
@@ -174,15 +173,15 @@ RECORDS: tuple[Record, ...] = (
     # Bitwise equal across the kinds (docs/backward.md; the forms tests check it).
     Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "wgmma": True},
-           select="the fit rule (kda_aot/fit.py): many chains (more than SM/2 for equal lengths)",
+           select="the fit rule (kda_aot/schedule/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks backwards, 128 value columns"),
     Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
                                                         "wgmma": False},
-           select="the fit rule (kda_aot/fit.py): few long chains; bitwise equal to `full`",
+           select="the fit rule (kda_aot/schedule/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
     Record(program="kda_bwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
                                                         "wgmma": False},
-           select="the fit rule (kda_aot/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
+           select="the fit rule (kda_aot/schedule/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
     # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,

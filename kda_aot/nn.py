@@ -190,7 +190,7 @@ class PackedKDA(nn.Module):
 
     def _forward_cp(self, q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backend):
         """Under CP: ONE agreement check for the whole call (the conv's facts and KDA's; each check is
-        a host sync, and the GPU idles while the host launches what follows one: session 9's CP2
+        a host sync, and the GPU idles while the host launches what follows one: the CP2
         timeline lost ~6 ms of Q1's 10.6 ms conv + norm prelude to four of them), posted first and read
         once the conv's local work is queued, then the conv with its halos and chunk_kda_cp."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]

@@ -135,19 +135,45 @@ def test_quarter_shipped_matches_the_wheel_manifest():
 
 
 def test_the_package_carries_the_measured_step_costs():
-    """The fit rule reads its parameters from the package's fit_params.json: both tape walks measured."""
-    assert fit.PARAMS_FILE.parent == Path(fit.__file__).parent
-    assert {"kda_fwd_tape", "kda_bwd_tape"} <= set(fit.measured_rho())
-    assert fit.walk_step_us("kda_fwd_tape") > 0
+    """The fit rule reads its parameters from the package's table for the H200: both tape walks measured,
+    and the pipeline's costs."""
+    assert fit.params_file("NVIDIA H200") == Path(fit.__file__).parent / "fit_params" / "nvidia_h200.json"
+    assert fit.gpu_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    if fit.current_gpu() == fit.MEASURED_GPU:
+        assert {"kda_fwd_tape", "kda_bwd_tape"} <= set(fit.measured_rho())
+        assert fit.walk_step_us("kda_fwd_tape") > 0
+        assert fit.pipeline_params()["chunk_stage_slowdown_beside_walk"] == {1: 2.0, 2: 3.4}
 
 
 def test_missing_params_file_is_an_error(monkeypatch, tmp_path):
-    """Without fit_params.json `auto` would quietly keep `full` everywhere: it raises, naming the file."""
-    monkeypatch.setattr(fit, "PARAMS_FILE", tmp_path / "fit_params.json")
-    with pytest.raises(FileNotFoundError, match=r"fit_params.json is missing"):
+    """Without the H200's table `auto` would quietly keep `full` everywhere: it raises, naming the file."""
+    monkeypatch.setattr(fit, "PARAMS_DIR", tmp_path)
+    monkeypatch.setattr(fit, "current_gpu", lambda: fit.MEASURED_GPU)
+    fit._decide.cache_clear()
+    with pytest.raises(FileNotFoundError, match=r"nvidia_h200.json is missing"):
         fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto")
-    with pytest.raises(FileNotFoundError, match=r"fit_params.json is missing"):
+    with pytest.raises(FileNotFoundError, match=r"nvidia_h200.json is missing"):
         fit.walk_step_us("kda_fwd_tape")
+
+
+def test_a_gpu_without_a_table_runs_on_the_defaults(monkeypatch, tmp_path, caplog):
+    """Another GPU: no measured costs, so walks stay full and the pipeline's walks keep their own SMs."""
+    import logging
+    monkeypatch.setattr(fit, "PARAMS_DIR", tmp_path)
+    monkeypatch.setattr(fit, "current_gpu", lambda: "NVIDIA B200")
+    fit._decide.cache_clear()
+    fit.measured_rho.cache_clear()
+    fit.pipelined_walk_sms.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kda_aot.schedule.fit"):
+            assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
+        assert "no table for this GPU (nvidia_b200.json)" in caplog.text
+        assert fit.pipeline_params() == {} and fit.walk_step_us("kda_fwd_tape") is None
+        assert fit.pipelined_walk_sms("kda_fwd_tape", (3125, 779), 32, 132, 0) == 32
+    finally:
+        fit._decide.cache_clear()
+        fit.measured_rho.cache_clear()
+        fit.pipelined_walk_sms.cache_clear()
 
 
 def test_pipeline_groups():
@@ -179,7 +205,7 @@ def test_pipeline_groups_with_segments_first():
         assert sorted(s for a, b in groups for s in range(a, b)) == list(range(len(lengths)))
 
 
-def test_pipelined_walk_sms():
+def test_pipelined_walk_sms(monkeypatch):
     """A walk beside the chunk stage is planned on as many SMs as it has chains (full then) unless it
     stays the critical path on every SM with the rest of the chunk stage slowed beside it (then all
     SMs); the last group's on all, unless the forward walks it in pieces (one SM per chain then). The
@@ -214,15 +240,14 @@ def test_pipelined_walk_sms():
     tail = (3000,) + (40,) * 200
     assert fit.plan_pipeline(tail) == ((0, 1), (1, 64), (64, 133), (133, 201))
     assert [fit.pipelined_walk_sms("kda_fwd_tape", tail, 1, 132, i) for i in range(4)] == [132, 63, 69, 132]
-    # session 4's rule for the A/B: every group but the last restricted
-    fit.PIPELINE_CRITICAL_PATH = False
+    # a GPU without a table: every group's walk but the last keeps its own SMs
+    monkeypatch.setattr(fit, "pipeline_params", lambda: {})
+    fit.pipelined_walk_sms.cache_clear()
     try:
-        fit.pipelined_walk_sms.cache_clear()
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 32
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 32  # in pieces, the others restricted
         assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 1, 2) == 66  # the replay's: whole, every SM
     finally:
-        fit.PIPELINE_CRITICAL_PATH = True
         fit.pipelined_walk_sms.cache_clear()
 
 
@@ -247,7 +272,8 @@ def test_pipeline_slowdown_by_walks_beside(monkeypatch):
     (forms_ab's critical-tuned arm) keeps Q1 and Q6 as measured and moves Q2 to the arms that won it:
     the forward's long walk on every SM, the replay's restricted."""
     q1, q2, q6 = (1585, 641, 1216, 465), (2344, 1193), (3125, 779)
-    monkeypatch.setattr(fit, "CHUNK_STAGE_SLOWDOWN_BESIDE_WALK", {1: 1.7, 2: 3.4})
+    costs = fit.pipeline_params()
+    monkeypatch.setattr(fit, "pipeline_params", lambda: dict(costs, chunk_stage_slowdown_beside_walk={1: 1.7, 2: 3.4}))
     fit.pipelined_walk_sms.cache_clear()
     try:
         assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]

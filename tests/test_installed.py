@@ -78,6 +78,6 @@ def test_every_shipped_record_has_its_module_and_loads():
 
 def test_fit_rule_reads_the_installed_parameters():
     from kda_aot.schedule import fit
-    assert fit.PARAMS_FILE.resolve() == installed_package() / "schedule" / "fit_params.json"
-    measured = json.loads((ROOT / "kda_aot" / "schedule" / "fit_params.json").read_text())["programs"]
+    assert fit.params_file("NVIDIA H200").resolve() == installed_package() / "schedule" / "fit_params" / "nvidia_h200.json"
+    measured = json.loads((ROOT / "kda_aot" / "schedule" / "fit_params" / "nvidia_h200.json").read_text())["programs"]
     assert set(fit.measured_rho()) == set(measured) and measured

@@ -17,7 +17,7 @@ pytestmark = gpu
 # dbeta: 5e-2. beta_i scales row i of L = strictly_lower(beta k k^T ...) and of T = (I + L)^-1 Diag(beta),
 # so dbeta_i is a sum over 64 rows and 128 channels of terms of both signs (dT and dL against the bf16
 # intermediates): its norm is sometimes far below its terms' and their bf16 roundings (~2^-9 each) show
-# relative to it - a heavy tail over inputs. Seen on the H200 (session 10, `python3 bench/grad_seeds.py
+# relative to it - a heavy tail over inputs. Seen on the H200 (`python3 bench/grad_seeds.py
 # 200 one neg5,rand,zero,mild`, one 64-token document, H = 2): g = -5 median 2.2e-3, p99 2.2e-2, max 2.9e-2
 # (the others' max 1.6e-2, 3.6e-3, 4.3e-3); FLA's chunk_kda on the same inputs has the same tail (12
 # seeds: its max 1.1e-2 against our 9.7e-3). Every other gradient stays below 5e-3 on every seed.

@@ -221,7 +221,7 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     segments' walks from what it returns; against prepare() then forward() with the same entering
     states. beside: the exchange and the deferred walks on a stream of their own (knob on), the
     sent chains pieced when they are the longest (pieced-sender, lone-sender-pieced: 32 chunks; 1-sender's
-    11 are too few to cut); main-stream: neither (the order before session 11)."""
+    11 are too few to cut); main-stream: neither (the default order)."""
     from kda_aot.cp.backends import CudaBackend
     kda_options(cp_exchange_beside=beside == "1")
     kda_options(cp_piece_senders=piece_senders == "1")

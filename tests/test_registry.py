@@ -103,7 +103,7 @@ def test_wheel_ships_only_shipped_records_and_names_its_arch(tmp_path):
     # every module and data file of the package, nothing of the checkout's build inputs, benchmarks or tests
     sources = {str(f.relative_to(ROOT)) for f in (ROOT / "kda_aot").rglob("*")
                if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".so" and f.name != "build_info.py"}
-    assert {"kda_aot/schedule/fit_params.json", "kda_aot/cp/exchange.py"} <= sources
+    assert {"kda_aot/schedule/fit_params/nvidia_h200.json", "kda_aot/cp/exchange.py"} <= sources
     package = {n for n in names if n.startswith("kda_aot/") and not n.endswith(".so")}
     assert package == sources | {"kda_aot/_lib/build.json", "kda_aot/_lib/build_info.py"}
     assert not [n for n in names if n.split("/")[0] in ("bench", "codegen", "tests", "templates", "generated")]

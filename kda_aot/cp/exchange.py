@@ -80,7 +80,7 @@ class Agreement:
     """A posted agreement check (post_agreement): the fingerprints' all_gather is queued; wait() reads
     it. In between the caller may queue LOCAL work only (no collective; nothing that a bad local
     argument makes unsafe): the GPU runs it while the host would otherwise sit in a sync and then
-    launch it into an idle GPU - session 10's CP2 timeline had 1.85 ms of such idle before the first
+    launch it into an idle GPU - the CP2 timeline had 1.85 ms of such idle before the first
     conv of every step."""
 
     def __init__(self, op, group, rank, world, device, local_error, described, table, ready):

@@ -20,9 +20,11 @@ consecutive segments of one form, each on its own stream so that they overlap (a
 split runs first, then the full runs in segment order: the order their CTAs are taken in).
 Every chain computes the same values in either form, so any plan gives bitwise the same result.
 
-Both are measured per program on the GPU (bench/measure_rho.py writes kda_aot/schedule/fit_params.json, which
-ships with the package; a missing file is an error); while a program has no entry there, `auto` keeps
-`full` and says so in the log. Decisions are
+Both are measured per program on each GPU (bench/measure_rho.py writes the table of the GPU it runs on,
+kda_aot/schedule/fit_params/<gpu>.json, which ships with the package beside the pipeline's costs; the
+H200's table missing is an error, a GPU without a table gets none: its `auto` keeps `full`, and the
+pipeline its plain SM split, and the log says so); while a program has no entry, `auto` keeps `full`
+and says so in the log. Decisions are
 cached per (program, chain lengths, H, SM count, knob); every launch can be logged as
 (program, form, chains) on the `kda_aot.schedule.fit` logger at DEBUG level.
 """
@@ -32,6 +34,7 @@ import functools
 import heapq
 import json
 import logging
+import re
 from pathlib import Path
 
 from .. import options
@@ -41,7 +44,9 @@ from .. import options
 # by tests/test_fit.py), and only when every quarter CTA gets an SM of its own.
 FORMS = options.WALK_FORMS[1:]  # full, split, quarter
 QUARTER_SHIPPED: frozenset = frozenset({"kda_fwd_tape", "kda_bwd_tape"})  # quarter in build.json
-PARAMS_FILE = Path(__file__).with_name("fit_params.json")
+PARAMS_DIR = Path(__file__).with_name("fit_params")
+MEASURED_GPU = "NVIDIA H200"  # the GPU whose table must ship
+PARAMS_FILE: Path | None = None  # a table to use instead of the current GPU's (tests, measure_rho --out)
 log = logging.getLogger(__name__)
 
 
@@ -77,21 +82,62 @@ def predicted(chain_lengths: tuple, heads: int, sm_count: int, rho: float, rho_a
     return spans
 
 
+def gpu_key(name: str) -> str:
+    """The table name of a GPU: "NVIDIA H200" -> "nvidia_h200"."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
 @functools.lru_cache(maxsize=None)
-def _params(path: Path) -> dict:
-    """The programs' entries of a fit_params.json (empty until measured), read once per path. The file
-    ships with the package: without it every `auto` launch would quietly keep `full`."""
+def current_gpu() -> str:
+    """The current CUDA device's name; without a GPU, the measured one (plans printed on the CPU)."""
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else MEASURED_GPU
+
+
+def params_file(gpu: str | None = None) -> Path:
+    """The table of `gpu` (default: the current one), or PARAMS_FILE when set."""
+    if PARAMS_FILE is not None and gpu is None:
+        return PARAMS_FILE
+    return PARAMS_DIR / f"{gpu_key(gpu or current_gpu())}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(path: Path) -> dict:
+    """A fit_params table, read once per path. The measured GPU's ships with the package: without it every
+    `auto` launch would quietly keep `full`. Another GPU without a table runs on the rule's defaults."""
     if not path.is_file():
-        raise FileNotFoundError(f"kda_aot.fit: {path} is missing (it ships with kda_aot: reinstall the "
-                                f"package, or restore it in a source checkout)")
-    return json.loads(path.read_text())["programs"]
+        if PARAMS_FILE is None and path.stem != gpu_key(MEASURED_GPU):
+            log.warning("kda_aot fit rule: no table for this GPU (%s): walks stay full, the pipeline's walks "
+                        "keep their SMs; measure one with bench/measure_rho.py", path.name)
+            return {"programs": {}, "pipeline": {}}
+        raise FileNotFoundError(f"kda_aot.schedule.fit: {path} is missing (it ships with kda_aot: reinstall "
+                                f"the package, or restore it in a source checkout)")
+    return json.loads(path.read_text())
+
+
+def _params(path: Path) -> dict:
+    """The programs' entries of a table (empty until measured)."""
+    return _table(path).get("programs", {})
+
+
+def pipeline_params() -> dict:
+    """The pipeline's costs on the current GPU: chunk_stage_us_per_chunk_head (the chunk stage per (chunk,
+    head) on the whole GPU), chunk_stage_slowdown_beside_walk ({walks at once: factor}: a walk CTA on an SM
+    leaves shared memory for one chunk-stage CTA instead of two), bwd_chunk_us_per_chunk_head; empty when
+    the GPU has no table."""
+    p = _table(params_file()).get("pipeline", {})
+    if not p:
+        return {}
+    return {"chunk_stage_us_per_chunk_head": float(p["chunk_stage_us_per_chunk_head"]),
+            "chunk_stage_slowdown_beside_walk": {int(k): float(v) for k, v in p["chunk_stage_slowdown_beside_walk"].items()},
+            "bwd_chunk_us_per_chunk_head": float(p["bwd_chunk_us_per_chunk_head"])}
 
 
 @functools.lru_cache(maxsize=None)
 def measured_rho() -> dict:
     """{program: (rho, rho_alone, rho_quarter_alone or None)} from fit_params.json (empty until
     measured; rho_alone = rho when a measurement predates it; quarter only where it ships)."""
-    progs = _params(PARAMS_FILE)
+    progs = _params(params_file())
     return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"])),
                 float(v["rho_quarter_alone"]) if p in QUARTER_SHIPPED and "rho_quarter_alone" in v else None)
             for p, v in progs.items()}
@@ -201,7 +247,7 @@ def plan_pipeline(chain_lengths, first: tuple = ()) -> tuple:
 # The forward cuts the last group's segment (when it is one) into this many pieces of chunks: its
 # walk then starts once the first piece's chunk stage is done instead of the whole group's, and the
 # walk that runs alone at the end shrinks to about the last piece's chunk stage plus what is left of
-# the walk (Q1, H = 32, bench/timeline_kda.py, session 8: the last group's chunk stage 2.1 ms, then
+# the walk (Q1, H = 32, bench/timeline_kda.py: the last group's chunk stage 2.1 ms, then
 # its walk alone 1.9 ms on 32 of 132 SMs).
 LAST_GROUP_PIECES = 4
 MIN_PIECE_CHUNKS = 8
@@ -228,10 +274,10 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     """(group, chunk bounds) of the group the pipelined forward cuts in pieces (plan_pipeline(chain_lengths,
     first)'s index), or None. One GPU: the last group (last_group_pieces). Context parallelism (cp): the
     one-segment group of the longest chain that is not deferred - the rank's critical walk there, as a
-    CP rank holds half the tokens but whole long documents (session 9, CP2 Q1 contiguous: rank 1's
+    CP rank holds half the tokens but whole long documents (CP2 Q1 contiguous: rank 1's
     1,216-chunk document waited 2.77 ms for its whole chunk stage, then walked 5.24 ms); its first piece
     launches ahead of everything (kda._pipelined). A sent chain (first) too, also when it is the rank's
-    only one (session 11: CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
+    only one (CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
     whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange; the CP
     replay, which sends nothing, then pieces a rank's only chain too) - with Options.cp_piece_senders,
     off until measured on two GPUs."""
@@ -254,7 +300,7 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
 
 # The CP forward cuts the rank's critical chain into this many pieces, and launches the senders'
 # chunk stage after the first half of them: the walk trails the chunk stage by (walk - chunk stage)
-# per piece (session 9, CP2 Q1 contiguous rank 0: 1.73 against 1.2 ms per quarter of its 1,584-chunk
+# per piece (CP2 Q1 contiguous rank 0: 1.73 against 1.2 ms per quarter of its 1,584-chunk
 # document), so by then it has slack for the senders' chunk stage (1.11 ms there) instead of stalling
 # for it (0.76 ms right after the first quarter); the other rank still gets the senders' exit states
 # before its own walks are done. Smaller pieces also start the walk sooner (the first piece's chunk
@@ -267,25 +313,14 @@ def lead_pieces(pieces: int) -> int:
     return max(1, pieces // 2)
 
 
-# The chunk stage's cost per (chunk, head) on a whole H200, in microseconds: kda_fwd_chunk/lean took
-# 12.71 ms for Q1's 3,907 chunks x 32 heads (session 6, bench/forms_ab.py chunk, docs/forward.md).
-CHUNK_STAGE_US_PER_CHUNK_HEAD = 0.102
-# The chunk stage runs about this much slower beside walks spread over every SM (a walk CTA on an SM
-# leaves shared memory for one chunk-stage CTA instead of two), by the number of walk programs that
-# run at once (1: the forward; 2: the replay's forward and backward walks, which together leave the
-# chunk stage about half the SMs a single walk does). Measured (bench/forms_ab.py pipeline, Q1-Q6,
-# session 6): with 2.0 for both, the replay gave Q2's first walks every SM and ran 72.1 ms against
-# 69.8 restricted; 3.4 for the replay keeps Q1-Q5's replay walks restricted (each arm's best within
-# 1 %) and still gives Q6's long walk every SM (78.2 ms against 84.8 restricted). The forward's 2.0
-# stays (session 6 again: {1: 1.7} moved Q3 / Q4 saved 1-2 % slower).
-CHUNK_STAGE_SLOWDOWN_BESIDE_WALK = {1: 2.0, 2: 3.4}
-# A/B switch (bench/forms_ab.py pipeline): False restricts every group's walk but the last (session 4).
-PIPELINE_CRITICAL_PATH = True
+# The pipeline's costs (pipeline_params: the chunk stage per (chunk, head), its slowdown beside the walks,
+# kda_bwd_chunk per (chunk, head)) are per GPU, in the fit_params table; their measurements are in
+# docs/fit_rule.md.
 
 
 def walk_step_us(program: str) -> float | None:
     """A full-form step of the walk alone on its SM, in microseconds (fit_params.json), or None."""
-    entry = _params(PARAMS_FILE).get(program)
+    entry = _params(params_file()).get(program)
     return None if entry is None else 1000.0 * float(entry["full_alone_ms"]) / float(entry["chunks_per_chain"])
 
 
@@ -296,18 +331,18 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
     stays the critical path even planned on every SM with the rest of the chunk stage slowed beside
-    it (CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside]; walks_beside = 2 in the replay, whose two
+    it (pipeline_params' chunk_stage_slowdown_beside_walk[walks_beside]; walks_beside = 2 in the replay, whose two
     walks run at once):
-    then it gets them all. Measured (forms_ab.py pipeline, session 5): Q6's long document (3,125
+    then it gets them all. Measured (forms_ab.py pipeline): Q6's long document (3,125
     chunks, 20 % of the chunk stage after it) forward 28.25 -> 23.29 ms on every SM; Q1's groups all
     on every SM 20.30 -> 23.44 ms (its walks start with 60, 28 and 12 % of the stage still to run:
     this rule keeps them restricted). The last group's walk runs after the chunk stage and gets
     every SM - unless the forward cuts it in pieces (last_group_pieces) and every earlier walk is
     restricted: then its pieces' walks run beside those walks and the later pieces' chunk stage, and
-    get one SM per chain too (session 8, forward: Q1 13.98 -> 13.86 ms, Q5 14.70 -> 14.30; Q6, whose
+    get one SM per chain too (forward: Q1 13.98 -> 13.86 ms, Q5 14.70 -> 14.30; Q6, whose
     first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM). pieced: the group is the
     one pieced_group cuts (context parallelism), treated as such a last group - a CP rank's only chain
-    (session 11) included, whose pieces' walks would otherwise take every SM from the chunk stage of the
+    included, whose pieces' walks would otherwise take every SM from the chunk stage of the
     pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two)."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
@@ -317,18 +352,14 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
                 pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first) < sms for g in range(group)):
             return restricted
         return sms
-    step = walk_step_us(program)
-    if not PIPELINE_CRITICAL_PATH or step is None or restricted == sms:
+    step, costs = walk_step_us(program), pipeline_params()
+    if step is None or not costs or restricted == sms:
         return restricted
     fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
     done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
-    rest_us = (sum(chain_lengths) - done) * heads * CHUNK_STAGE_US_PER_CHUNK_HEAD
-    return sms if CHUNK_STAGE_SLOWDOWN_BESIDE_WALK[walks_beside] * rest_us <= step * fast else restricted
-
-
-# kda_bwd_chunk's cost per (chunk, head) on a whole H200, in microseconds: 7.54 ms for CP2 Q1 contiguous
-# rank 0's 1,952 chunks x 32 heads (session 9, bench/timeline_cp.py).
-BWD_CHUNK_US_PER_CHUNK_HEAD = 0.121
+    rest_us = (sum(chain_lengths) - done) * heads * costs["chunk_stage_us_per_chunk_head"]
+    slowdown = costs["chunk_stage_slowdown_beside_walk"][walks_beside]
+    return sms if slowdown * rest_us <= step * fast else restricted
 
 
 @functools.lru_cache(maxsize=1024)
@@ -339,12 +370,12 @@ def rewalk_beside(chain_lengths: tuple, rewalk: tuple, heads: int, sms: int) -> 
     walk holds); None: no such overlap pays (nothing else to run beside, more chains than SMs, a
     longer walk): the walk runs first, on every SM."""
     chains = heads * len(rewalk)
-    step = walk_step_us("kda_bwd_tape")
+    step, costs = walk_step_us("kda_bwd_tape"), pipeline_params()
     others = sum(n for s, n in enumerate(chain_lengths) if s not in rewalk)
-    if not rewalk or chains >= sms or step is None or others == 0:
+    if not rewalk or chains >= sms or step is None or not costs or others == 0:
         return None
     walk_us = step * max(chain_lengths[s] for s in rewalk)
-    chunk_us = others * heads * BWD_CHUNK_US_PER_CHUNK_HEAD * sms / (sms - chains)
+    chunk_us = others * heads * costs["bwd_chunk_us_per_chunk_head"] * sms / (sms - chains)
     return chains if walk_us <= chunk_us else None
 
 

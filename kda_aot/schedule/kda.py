@@ -300,7 +300,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
     chunk stage of the `summarised` segments (the deferred ones whose summaries entering computes;
     default: all) only, the deferred walks then for their own chunk stage - not for the rest of the
     chunk stage, which the walks beside it may slow: the exchange goes as soon as the ranks' senders
-    are done (session 11, CP2 Q3 zigzag: rank 1's exchange waited 3.2 ms for its chunk stage after its
+    are done (CP2 Q3 zigzag: rank 1's exchange waited 3.2 ms for its chunk stage after its
     sender's walk was done)."""
     q = prepared["q"]
     H = q.shape[2]
@@ -574,9 +574,8 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
 def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list) -> dict:
     """The `rewalk` segments' backward walk again (into dtape, dh0), and kda_bwd_chunk: the walk on a
     side stream on the SMs fit.rewalk_beside gives it, beside kda_bwd_chunk over the other segments'
-    chunks, then kda_bwd_chunk over theirs; or (no such SM count) the walk first on every SM. Session 9,
-    CP2 Q1 contiguous rank 0: the rewalk of its last fragment (368 chunks) took 0.95 ms alone between
-    the replay's walks and kda_bwd_chunk (7.54 ms)."""
+    chunks, then kda_bwd_chunk over theirs; or (no such SM count) the walk first on every SM (alone,
+    a rewalk runs on a GPU kda_bwd_chunk could fill: docs/cp.md)."""
     q = saved["q"]
     lengths, H = saved["chain_lengths"], q.shape[2]
     runs = segment_runs(set(rewalk), len(lengths))
@@ -705,7 +704,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
     the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
-    chunk-parallel backward behind the walks too measured no gain, session 6: the replay step is
+    chunk-parallel backward behind the walks too measured no gain: the replay step is
     bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
@@ -713,7 +712,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     first and last piece first, then the second and the last but one, ...: its forward walk goes
     through the pieces from the front, its backward walk from the back, each piece from its neighbour's
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
-    chunk stage instead of the whole chain's (session 10, CP2 Q1 contiguous: rank 0's 1,584-chunk
+    chunk stage instead of the whole chain's (CP2 Q1 contiguous: rank 0's 1,584-chunk
     document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
     chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
