@@ -11,6 +11,7 @@ gradient). Shapes the fake implementations give:
     saved context (backward="saved"): the chunk intermediates, chunk-indexed ones over
     max_chunks(T, N) rows (the exact chunk count depends on the values of cu_seqlens)
 """
+import warnings
 from typing import Optional
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from ..schedule import kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
+from .gate import beta_sigmoid, check_gate_args, kda_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 
@@ -273,21 +275,115 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
                              f"{list(cu_seqlens_cpu.shape)}")
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, backward="replay"):
-    """Chunked KDA, differentiable; flash-linear-attention's chunk_kda arguments: q, k, v
-    [B, T, H, 128] bf16, g [B, T, H, 128] fp32 log decay, beta [B, T, H] bf16, initial_state
-    [N, H, 128, 128] fp32. Packed documents: B = 1 and cu_seqlens [N + 1] int32/int64,
-    non-decreasing (zero-length documents are legal), on the CPU or q's device; on the device, give
-    its CPU copy as cu_seqlens_cpu to spare the host sync that reads it (what a CUDA graph capture
-    needs; the two must hold the same values). Without cu_seqlens, B sequences of T tokens (N = B).
-    Any strides. Returns (o [B, T, H, 128] bf16, final_state [N, H, 128, 128] fp32 or None).
-    use_qk_l2norm_in_kernel: q and k are L2-normalised per head first (differentiably).
-    backward: "replay" keeps only the inputs and reruns the forward kernels in the backward (a head
-    group at a time when memory is short); "saved" keeps the tape and the chunk intermediates.
-    The two give bitwise equal gradients."""
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, chunk_size=64,
+              backward=None, transpose_state_layout=None):
+    """Chunked KDA, differentiable, with flash-linear-attention 0.6.0's chunk_kda signature: the same
+    parameters in the same order and the same meaning, A_log and dt_bias as keywords.
+
+    q, k [B, T, H, 128] bf16; v [B, T, HV, 128] bf16 and g [B, T, HV, 128], beta [B, T, HV] with HV a
+    multiple of H (grouped value heads: value head j reads q, k head j // (HV / H)); initial_state
+    [N, HV, 128, 128] fp32 ([N, HV, V, K] with state_v_first, and so the final state). Packed documents:
+    B = 1 and cu_seqlens [N + 1] int32/int64, non-decreasing (zero-length documents are legal), on the
+    CPU or q's device; on the device, give its CPU copy as cu_seqlens_cpu to spare the host sync that
+    reads it (the two must hold the same values). Without cu_seqlens, B sequences of T tokens (N = B).
+    Any strides. Returns (o [B, T, HV, 128] bf16, final_state or None).
+
+    g: the log decay (fp32; a narrower float is widened exactly), or with use_gate_in_kernel the raw
+    gate, activated as -exp(A_log) * softplus(g + dt_bias), or lower_bound * sigmoid(exp(A_log) *
+    (g + dt_bias)) when lower_bound is set (A_log [HV], dt_bias [HV * K], optional with lower_bound /
+    always). beta: bf16, or with use_beta_sigmoid_in_kernel the logits b: sigmoid(b) (2 sigmoid(b) with
+    allow_neg_eigval). use_qk_l2norm_in_kernel: q and k L2-normalised per head first (differentiably).
+    safe_gate: FLA's hint that gates are bounded (with use_gate_in_kernel it needs lower_bound in
+    [-5, 0)); our kernels are exact for every g <= 0 and need no hint.
+    backward (ours): "replay" keeps only the inputs and reruns the forward kernels in the backward (a
+    head group at a time when memory is short); "saved" keeps the tape and the chunk intermediates,
+    as FLA's disable_recompute=True. The two give bitwise equal gradients.
+    Not served, with an error naming them: cp_context (kda_aot.cp.chunk_kda_cp is the context-parallel
+    op), return_intermediate_states, use_graph (our ops capture in CUDA graphs as they are), chunk sizes
+    other than 64, head dims other than 128."""
+    mode = _backward_mode(backward, disable_recompute)
+    if transpose_state_layout is not None:  # FLA's deprecated name of state_v_first
+        if state_v_first:
+            raise ValueError("state_v_first: give it or the deprecated transpose_state_layout, not both")
+        warnings.warn("transpose_state_layout is deprecated: use state_v_first", DeprecationWarning, stacklevel=2)
+        state_v_first = bool(transpose_state_layout)
+    _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, v: expected shapes [B, T, H, 128] and [B, T, HV, 128], got {list(q.shape)} and "
+                         f"{list(v.shape)}")
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
+    if tuple(g.shape) != tuple(v.shape):
+        raise ValueError(f"g: expected shape {list(v.shape)} ([B, T, HV, 128], as v), got {list(g.shape)}")
+    if tuple(beta.shape) != tuple(v.shape[:3]):
+        raise ValueError(f"beta: expected shape {list(v.shape[:3])} ([B, T, HV]), got {list(beta.shape)}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
+    if use_gate_in_kernel:
+        check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    else:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: only used with use_gate_in_kernel=True (g is the log decay here)")
+        if g.is_floating_point() and g.dtype != torch.float32:
+            g = g.float()
+    if use_beta_sigmoid_in_kernel:
+        beta = beta_sigmoid(beta, allow_neg_eigval)
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
+    if use_qk_l2norm_in_kernel:
+        _check_head_dim(q, "q")
+        q, k = l2norm(q), l2norm(k)
+    if HV != H:  # each value head's q, k (their gradients sum back over the group)
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                 cu_seqlens_cpu, mode)
+    if state_v_first and final is not None:
+        final = final.transpose(-1, -2)
+    return o, final
+
+
+def _backward_mode(backward, disable_recompute) -> str:
+    if backward is None:
+        return "saved" if disable_recompute else "replay"
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward: expected one of {BACKWARD_MODES}, got {backward!r}")
+    if disable_recompute and backward != "saved":
+        raise ValueError(f"disable_recompute=True is backward='saved'; got backward={backward!r} as well")
+    return backward
+
+
+def _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size):
+    if cp_context is not None:
+        raise NotImplementedError("cp_context: kda_aot's context parallelism is kda_aot.cp.chunk_kda_cp "
+                                  "(a CPPlan over a torch.distributed group), not FLA's FLACPContext")
+    if return_intermediate_states:
+        raise NotImplementedError("return_intermediate_states: the per-chunk states for inference are not "
+                                  "served by kda_aot")
+    if use_graph or max_num_seqs is not None:
+        raise NotImplementedError("use_graph, max_num_seqs: not needed: kda_aot's ops capture in CUDA graphs as "
+                                  "they are (warm up eagerly first)")
+    if chunk_size != CHUNK:
+        raise NotImplementedError(f"chunk_size: kda_aot's kernels run chunks of {CHUNK} tokens, got {chunk_size}")
+
+
+def _check_head_dim(x, name):
+    if x.dim() == 4 and x.shape[3] != HEAD_DIM:
+        raise ValueError(f"{name}: head dim must be 128, got {x.shape[3]}")
+
+
+def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                      backward):
+    """The KDA op on checked inputs of H heads each (q and k already normalised when asked)."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
@@ -296,8 +392,6 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         beta = beta.reshape(1, B * T, beta.shape[2])
     else:
         cu = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     wants_grad = torch.is_grad_enabled() and any(

@@ -1,0 +1,74 @@
+"""The gate and beta activations of flash-linear-attention's chunk_kda (use_gate_in_kernel,
+use_beta_sigmoid_in_kernel), in fp32, differentiable.
+
+    kda_gate:  g = -exp(A_log) * softplus(g_raw + dt_bias)                    (lower_bound None)
+               g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))      (lower_bound set;
+                   without A_log: lower_bound * sigmoid(g_raw + dt_bias))
+    beta:      beta = scale * sigmoid(b)   (scale 2 with allow_neg_eigval: beta in [0, 2))
+
+They run as torch operations before the KDA op (the activated gate goes through memory once more
+than inside the chunk stage would take it).
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+                    lower_bound: Optional[float], safe_gate: bool) -> None:
+    """The gate's parameters: A_log [HV] (or any shape of HV elements), dt_bias [HV * K] (or [HV, K]), both
+    floating point on g's device; lower_bound in [-5, 0) with safe_gate; A_log required without lower_bound."""
+    HV, K = g.shape[-2], g.shape[-1]
+    if not g.is_floating_point():
+        raise TypeError(f"g: the raw gate must be floating point, got {g.dtype}")
+    if A_log is None and lower_bound is None:
+        raise ValueError("A_log: required with use_gate_in_kernel=True unless lower_bound is set "
+                         "(the gate -exp(A_log) * softplus(g + dt_bias))")
+    for name, t, numel in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV * K)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
+        if t.numel() != numel:
+            raise ValueError(f"{name}: expected {numel} elements ({'[HV]' if name == 'A_log' else '[HV * K]'} for "
+                             f"HV = {HV}, K = {K}), got shape {list(t.shape)}")
+        if t.device != g.device:
+            raise ValueError(f"{name}: on {t.device} but g is on {g.device}")
+    if lower_bound is not None:
+        if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
+            raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
+        if safe_gate and not -5 <= lower_bound < 0:
+            raise ValueError(f"lower_bound: must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
+    elif safe_gate:
+        raise ValueError("lower_bound: required with safe_gate=True and use_gate_in_kernel=True")
+
+
+def kda_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+             lower_bound: Optional[float]) -> Tensor:
+    """The activated log decay [.., HV, K] in fp32 from the raw gate g [.., HV, K]."""
+    HV, K = g.shape[-2], g.shape[-1]
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().reshape(HV, K)
+    if lower_bound is None:
+        return -A_log.float().reshape(HV, 1).exp() * F.softplus(x)
+    if A_log is not None:
+        x = A_log.float().reshape(HV, 1).exp() * x
+    return float(lower_bound) * torch.sigmoid(x)
+
+
+def beta_sigmoid(b: Tensor, allow_neg_eigval: bool) -> Tensor:
+    """beta = sigmoid(b), or 2 sigmoid(b) with allow_neg_eigval, computed in fp32 and given to the kernels
+    in bf16 (their beta operand)."""
+    if not b.is_floating_point():
+        raise TypeError(f"beta: the raw beta must be floating point with use_beta_sigmoid_in_kernel, got {b.dtype}")
+    beta = torch.sigmoid(b.float())
+    if allow_neg_eigval:
+        beta = 2.0 * beta
+    return beta.to(torch.bfloat16)

@@ -1,0 +1,203 @@
+"""kda_aot.chunk_kda takes flash-linear-attention 0.6.0's chunk_kda call: its parameters in its order, the
+gate and beta activations, grouped value heads, V-first states, and clear errors for what it does not
+serve. On the CPU the KDA op itself is replaced by the fp64 reference (the GPU tests run the kernels:
+tests/test_fla_signature_gpu.py); what is checked here is everything chunk_kda does around it, against
+FLA's formulas written out independently, values and gradients."""
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kda_aot
+from kda_aot import reference
+from kda_aot.ops import chunk_kda as op
+from kda_aot.ops.norm import L2NORM_EPS, l2norm_torch
+
+from conftest import SEED
+
+FLA_PARAMETERS = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                  "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                  "safe_gate", "lower_bound", "disable_recompute", "return_intermediate_states", "state_v_first",
+                  "cu_seqlens", "cu_seqlens_cpu", "cp_context", "use_graph", "max_num_seqs"]
+D = 128
+
+
+@pytest.fixture
+def reference_op(monkeypatch):
+    """The KDA op as the fp64 reference (autograd through it); records the modes it was called in."""
+    calls = []
+
+    def fake(saved):
+        def run(q, k, v, g, beta, h0, cu, scale, output_final_state):
+            calls.append("saved" if saved else "replay")
+            o, s = reference.kda_chunked(*(x.double() for x in (q, k, v, g, beta)), cu_seqlens=cu.tolist(),
+                                         scale=scale, initial_state=None if h0 is None else h0.double(),
+                                         output_final_state=True, dtype=torch.float64)
+            return o, s
+        return run
+    monkeypatch.setattr(op, "chunk_kda_fwd_op", fake(False))
+    monkeypatch.setattr(op, "chunk_kda_fwd_saved_op", fake(True))
+    monkeypatch.setattr(op, "l2norm", l2norm_torch)  # the kernel's formula (its kernel needs a GPU)
+    return calls
+
+
+def l2norm_as_the_kernel(x):
+    """l2norm_torch's bf16 values, with the gradient of the fp64 formula."""
+    xd = x.double()
+    exact = xd * torch.rsqrt((xd * xd).sum(-1, keepdim=True) + L2NORM_EPS)
+    return exact + (l2norm_torch(x.detach().to(torch.bfloat16)).double() - exact).detach()
+
+
+def gen(*key):
+    return torch.Generator().manual_seed(SEED + hash(key) % 1000)
+
+
+def inputs(lens, H, HV, seed):
+    g_ = gen("fla", seed)
+    T, N = sum(lens), len(lens)
+    x = {"q": torch.randn(1, T, H, D, generator=g_), "k": torch.randn(1, T, H, D, generator=g_),
+         "v": torch.randn(1, T, HV, D, generator=g_), "g": torch.randn(1, T, HV, D, generator=g_),
+         "b": torch.randn(1, T, HV, generator=g_), "h0": torch.randn(N, HV, D, D, generator=g_) * 0.1,
+         "A_log": torch.rand(HV, generator=g_) * 2, "dt_bias": torch.randn(HV * D, generator=g_),
+         "do": torch.randn(1, T, HV, D, generator=g_), "dht": torch.randn(N, HV, D, D, generator=g_)}
+    for n in ("q", "k", "v"):
+        x[n] = x[n].to(torch.bfloat16)
+    x["cu"] = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return x
+
+
+def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
+    """FLA's formulas, independently: l2norm, the gate, sigmoid beta, GVA by head index, V-first states."""
+    H, HV = x["q"].shape[2], x["v"].shape[2]
+    leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
+    q, k = leaves["q"], leaves["k"]
+    if l2:
+        q, k = l2norm_as_the_kernel(q), l2norm_as_the_kernel(k)
+    idx = torch.arange(HV) // (HV // H)
+    q, k = q[:, :, idx], k[:, :, idx]
+    raw = leaves["g"] + leaves["dt_bias"].view(HV, D)
+    if lower_bound is None:
+        g = -leaves["A_log"].exp().view(HV, 1) * F.softplus(raw)
+    else:
+        g = lower_bound * torch.sigmoid(leaves["A_log"].exp().view(HV, 1) * raw)
+    beta = (2.0 if neg else 1.0) * torch.sigmoid(leaves["b"])
+    beta = beta + (beta.to(torch.bfloat16).double() - beta).detach()  # the kernels' bf16 beta, gradient kept
+    h0 = leaves["h0"].transpose(-1, -2) if v_first else leaves["h0"]
+    o, s = reference.kda_chunked(q, k, leaves["v"], g, beta, cu_seqlens=x["cu"].tolist(), initial_state=h0,
+                                 output_final_state=True, dtype=torch.float64)
+    if v_first:
+        s = s.transpose(-1, -2)
+    ((o * x["do"]).sum() + (s * x["dht"]).sum()).backward()
+    return o.detach(), s.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def run_ours(x, **kw):
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
+    o, s = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["b"], None, leaves["h0"],
+                             True, True, True, True, cu_seqlens=x["cu"], A_log=leaves["A_log"],
+                             dt_bias=leaves["dt_bias"], **kw)
+    ((o.double() * x["do"]).sum() + (s.double() * x["dht"]).sum()).backward()
+    return o.detach(), s.detach(), {n: t.grad for n, t in leaves.items()}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def test_the_signature_is_flas():
+    params = list(inspect.signature(kda_aot.chunk_kda).parameters)
+    assert params[:len(FLA_PARAMETERS)] == FLA_PARAMETERS
+    kw = inspect.signature(kda_aot.chunk_kda).parameters
+    assert kw["A_log"].kind is inspect.Parameter.KEYWORD_ONLY and kw["dt_bias"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert kw["scale"].default is None and kw["disable_recompute"].default is False
+
+
+@pytest.mark.parametrize("HV,lower_bound,neg,v_first", [(4, None, False, False), (8, None, True, True),
+                                                        (16, -5.0, False, True), (4, -2.0, True, False)])
+def test_fla_layer_call_matches_flas_formulas(reference_op, HV, lower_bound, neg, v_first):
+    """FLA's layer call (l2norm, gate and beta sigmoid in kernel, positional order), with GVA at HV / H = 1,
+    2, 4: the output, the final state and every gradient (raw g, A_log, dt_bias, beta logits, q, k summed
+    over their value heads, the V-first initial state) as FLA's formulas give them. Values to fp32
+    rounding (the gate is activated in fp32, the kernels' g); gradients of the fp32 tensors (g, A_log, dt_bias, the states) to fp32 rounding, of the bf16
+    ones (q, k, v, beta's logits through bf16 beta) to bf16 rounding (autograd rounds a bf16 leaf's
+    gradient to bf16); a wrong head map, gate or transpose is off by O(1)."""
+    x = inputs([70, 1, 130], 4, HV, (HV, lower_bound, neg))
+    o, s, grads = run_ours(x, lower_bound=lower_bound, safe_gate=lower_bound is not None, allow_neg_eigval=neg,
+                           state_v_first=v_first)
+    eo, es, egrads = expected(x, lower_bound=lower_bound, neg=neg, v_first=v_first)
+    assert reference_op == ["replay"]
+    assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
+    for n, want in egrads.items():
+        bound = 1e-2 if n in ("q", "k", "v", "b") else 1e-5
+        assert rel(grads[n], want) < bound, f"d{n}: {rel(grads[n], want):.2e}"
+
+
+def test_disable_recompute_is_the_saved_mode(reference_op):
+    x = inputs([65], 2, 2, "modes")
+    run_ours(x, disable_recompute=True)
+    run_ours(x, backward="saved")
+    run_ours(x)
+    assert reference_op == ["saved", "saved", "replay"]
+    with pytest.raises(ValueError, match="disable_recompute=True is backward='saved'"):
+        run_ours(x, disable_recompute=True, backward="replay")
+
+
+def test_precomputed_gate_and_bf16_g(reference_op):
+    """Without use_gate_in_kernel g is the log decay; a bf16 g is widened exactly."""
+    x = inputs([40, 24], 2, 2, "plain")
+    g = -torch.rand(1, 64, 2, D).to(torch.bfloat16)
+    q, k, v = x["q"], x["k"], x["v"]
+    beta = torch.rand(1, 64, 2).to(torch.bfloat16)
+    o, _ = kda_aot.chunk_kda(q, k, v, g, beta, cu_seqlens=x["cu"])
+    want, _ = reference.kda_chunked(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                    cu_seqlens=x["cu"].tolist(), dtype=torch.float64)
+    assert rel(o, want) < 1e-12
+
+
+def test_unserved_arguments_raise(reference_op):
+    x = inputs([64], 2, 2, "refuse")
+    q, k, v, g, b = x["q"], x["k"], x["v"], -torch.rand(1, 64, 2, D), torch.rand(1, 64, 2).to(torch.bfloat16)
+    cases = [(dict(cp_context=object()), NotImplementedError, "cp_context"),
+             (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
+             (dict(use_graph=True), NotImplementedError, "use_graph"),
+             (dict(chunk_size=32), NotImplementedError, "chunk_size"),
+             (dict(allow_neg_eigval=True), ValueError, "allow_neg_eigval: needs use_beta_sigmoid_in_kernel"),
+             (dict(A_log=x["A_log"]), ValueError, "A_log: only used with use_gate_in_kernel"),
+             (dict(use_gate_in_kernel=True), ValueError, "A_log: required with use_gate_in_kernel"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"][:1]), ValueError, r"A_log: expected 2 elements"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"].long()), TypeError, "A_log: expected float32"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"][:5]), ValueError,
+              r"dt_bias: expected 256 elements"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True), ValueError,
+              "lower_bound: required with safe_gate"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True, lower_bound=-6.0), ValueError,
+              r"lower_bound: must lie in \[-5, 0\)"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True, lower_bound=0.0), ValueError,
+              r"lower_bound: must lie in \[-5, 0\)"),
+             (dict(backward="checkpoint"), ValueError, "backward: expected one of")]
+    for kw, err, match in cases:
+        with pytest.raises(err, match=match):
+            kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **kw)
+    with pytest.raises(ValueError, match=r"HV = 3\) must be a multiple of q's and k's \(H = 2\)"):
+        kda_aot.chunk_kda(q, k, torch.zeros(1, 64, 3, D, dtype=torch.bfloat16), g[:, :, :1].expand(1, 64, 3, D),
+                          b[:, :, :1].expand(1, 64, 3), cu_seqlens=x["cu"])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], gate_in_kernel=True)
+    assert reference_op == []  # no error reached the op
+
+
+def test_scale_and_initial_state_positionally(reference_op):
+    x = inputs([64, 3], 2, 2, "positional")
+    g, b = -torch.rand(1, 67, 2, D), torch.rand(1, 67, 2).to(torch.bfloat16)
+    o, s = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, 0.05, x["h0"], True, cu_seqlens=x["cu"])
+    want, ws = reference.kda_chunked(*(t.double() for t in (x["q"], x["k"], x["v"], g, b)), cu_seqlens=x["cu"].tolist(),
+                                     scale=0.05, initial_state=x["h0"].double(), output_final_state=True,
+                                     dtype=torch.float64)
+    assert rel(o, want) < 1e-12 and rel(s, ws) < 1e-12
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        _, sv = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, 0.05, x["h0"].transpose(-1, -2), True,
+                                  cu_seqlens=x["cu"], transpose_state_layout=True)
+    assert rel(sv.transpose(-1, -2), ws) < 1e-12
+    assert not math.isnan(o.double().sum().item())
