@@ -83,6 +83,38 @@ class PackedKDA(nn.Module):
             if b is not None:
                 nn.init.uniform_(b, -bound, bound)
 
+    # flash-linear-attention's KimiDeltaAttention keeps its convolutions as ShortConvolution (an nn.Conv1d,
+    # depthwise, width 4, left-padded): q_conv1d.weight [D, 1, 4] and an optional q_conv1d.bias [D], the
+    # same taps in the same order as q_conv_weight [D, 4] (y_t = sum_j w_j x_(t-3+j)).
+    FLA_CONV_KEYS = {f"{name}_conv_{part}": f"{name}_conv1d.{part}" for name in "qkv" for part in ("weight", "bias")}
+
+    def load_fla_conv_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        """Load the q, k, v convolutions of a FLA KimiDeltaAttention state dict (keys `prefix` +
+        q_conv1d.weight, ...: the mapping FLA_CONV_KEYS); other keys are left alone. A bias FLA has that
+        this module has not (or the reverse), or a shape that does not match, is an error."""
+        with torch.no_grad():
+            for ours, theirs in self.FLA_CONV_KEYS.items():
+                mine, key = getattr(self, ours), prefix + theirs
+                if (mine is None) != (key not in state_dict):
+                    raise ValueError(f"{key}: {'missing from the state dict' if mine is not None else 'present, but this module has no conv bias (conv_bias=False)'}")
+                if mine is None:
+                    continue
+                t = state_dict[key]
+                t = t.reshape(t.shape[0], t.shape[-1]) if ours.endswith("weight") and t.dim() == 3 else t
+                if tuple(t.shape) != tuple(mine.shape):
+                    raise ValueError(f"{key}: expected {list(mine.shape)} (or [D, 1, 4] for a weight), got "
+                                     f"{list(state_dict[key].shape)}")
+                mine.copy_(t)
+
+    def fla_conv_state_dict(self, prefix: str = "") -> dict:
+        """The q, k, v convolutions under FLA's keys and shapes (weights [D, 1, 4])."""
+        out = {}
+        for ours, theirs in self.FLA_CONV_KEYS.items():
+            t = getattr(self, ours)
+            if t is not None:
+                out[prefix + theirs] = (t.detach().unsqueeze(1) if ours.endswith("weight") else t.detach()).clone()
+        return out
+
     def extra_repr(self):
         return (f"num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"conv_bias={self.q_conv_bias is not None}, qk_l2norm={self.qk_l2norm}, "

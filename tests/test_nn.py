@@ -196,3 +196,29 @@ def test_cuda_conv_qkv_matches_reference(Dh):
     for a, b in zip(got, want):
         assert a.dtype == torch.bfloat16
         assert ((a.float().cpu() - b).abs().max() / b.abs().max()).item() < 2 * 2.0 ** -8
+
+
+def test_fla_conv_weights_round_trip_and_compute_the_same():
+    """FLA's ShortConvolution weights ([D, 1, 4], nn.Conv1d depthwise, left-padded) load as PackedKDA's conv
+    weights: torch's conv1d with them gives the reference conv's pre-activation, and the round trip is exact."""
+    from kda_aot import reference
+    torch.manual_seed(3)
+    m = PackedKDA(2, 16, conv_bias=True, backend="reference")
+    D = 32
+    fla = {f"attn.{n}_conv1d.weight": torch.randn(D, 1, 4) for n in "qkv"}
+    fla.update({f"attn.{n}_conv1d.bias": torch.randn(D) for n in "qkv"})
+    fla["attn.A_log"] = torch.zeros(2)  # not a conv key: left alone
+    m.load_fla_conv_state_dict(fla, prefix="attn.")
+    back = m.fla_conv_state_dict(prefix="attn.")
+    assert set(back) == {k for k in fla if "conv1d" in k} and all(torch.equal(back[k], fla[k]) for k in back)
+    x = torch.randn(1, 50, D, dtype=torch.float64)
+    w, b = fla["attn.q_conv1d.weight"].double(), fla["attn.q_conv1d.bias"].double()
+    conv = torch.nn.functional.conv1d(x.transpose(1, 2), w, b, padding=3, groups=D)[..., :50].transpose(1, 2)
+    ours = reference.conv1d_silu(x, m.q_conv_weight.double(), m.q_conv_bias.double(), cu_seqlens=[0, 50])
+    assert torch.allclose(ours, torch.nn.functional.silu(conv), atol=1e-12)
+    with pytest.raises(ValueError, match="q_conv1d.bias: missing"):
+        m.load_fla_conv_state_dict({k: v for k, v in fla.items() if k != "attn.q_conv1d.bias"}, prefix="attn.")
+    with pytest.raises(ValueError, match="present, but this module has no conv bias"):
+        PackedKDA(2, 16, backend="reference").load_fla_conv_state_dict(fla, prefix="attn.")
+    with pytest.raises(ValueError, match=r"expected \[32, 4\]"):
+        m.load_fla_conv_state_dict(dict(fla, **{"attn.k_conv1d.weight": torch.randn(D, 1, 3)}), prefix="attn.")
