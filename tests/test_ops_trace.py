@@ -138,3 +138,28 @@ def test_auto_backend_without_a_gpu_is_the_reference():
     assert kda_aot.nn.PackedKDA(1, 8).backend == "auto"
     from kda_aot.cp import get_backend
     assert get_backend("auto", like=x).name == "reference"
+
+
+def test_fla_layer_call_traces_into_one_graph():
+    """FLA's layer call (gate and beta activations, GVA, V-first states, l2norm in the op) traces with the
+    forward and backward ops; every gradient (raw g, A_log, dt_bias, beta logits, the V-first state) has
+    its input's shape and dtype."""
+    H, HV, T = 2, 4, 130
+
+    def step(q, k, v, g, b, h0, A_log, dt_bias, cu):
+        o, s = kda_aot.chunk_kda(q, k, v, g, b, None, h0, True, True, True, True, cu_seqlens=cu, state_v_first=True,
+                                 A_log=A_log, dt_bias=dt_bias)
+        return torch.autograd.grad(o.float().sum() + s.sum(), (q, k, v, g, b, h0, A_log, dt_bias))
+
+    ins = [torch.randn(1, T, H, 128, dtype=BF), torch.randn(1, T, H, 128, dtype=BF),
+           torch.randn(1, T, HV, 128, dtype=BF), torch.randn(1, T, HV, 128, dtype=BF),
+           torch.randn(1, T, HV, dtype=BF), torch.randn(2, HV, 128, 128), torch.rand(HV), torch.randn(HV * 128)]
+    for t in ins:
+        t.requires_grad_()
+    gm = make_fx(step, tracing_mode="fake")(*ins, torch.tensor([0, 70, T]))
+    ops = kda_ops_in(gm.graph)
+    assert "kda_aot.chunk_kda_fwd.default" in ops and "kda_aot.chunk_kda_bwd.default" in ops
+    outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    for got, want in zip(outs, ins):
+        meta = got.meta["val"]
+        assert meta.shape == want.shape and meta.dtype == want.dtype
