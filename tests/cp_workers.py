@@ -104,15 +104,21 @@ def _run_op(rank, case):
     x = case["inputs"]
     backend = cp.get_backend(case.get("backend", "reference"), case["state_dtype"])
     out = {}
+    fla = case.get("fla")  # FLA's activations: {"lower_bound": ..., "allow_neg_eigval": ...}; A_log, dt_bias in x
     for mode in case["modes"]:
         loc = [_leaf(plan.shard(x[n])) for n in ("q", "k", "v", "g", "beta")]
         h0 = _leaf(x["h0"])
+        extra, params = {}, {}
+        if fla is not None:
+            params = {n: _leaf(x[n]) for n in ("A_log", "dt_bias")}
+            extra = dict(fla, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, **params)
         o, s = cp.chunk_kda_cp(*loc, plan=plan, initial_state=h0, output_final_state=True,
-                               backward=mode, backend=backend)
+                               backward=mode, backend=backend, **extra)
         loss = (o * plan.shard(x["wo"])).sum() + (s * x["ws"]).sum()
         loss.backward()
         out[mode] = {"o": o.detach(), "final": s.detach(), "dh0": h0.grad,
-                     **{"d" + n: t.grad for n, t in zip(("q", "k", "v", "g", "beta"), loc)}}
+                     **{"d" + n: t.grad for n, t in zip(("q", "k", "v", "g", "beta"), loc)},
+                     **{"d" + n: t.grad for n, t in params.items()}}
     out["gathered_o"] = cp.gather(out[case["modes"][0]]["o"], plan)
     return out
 

@@ -145,6 +145,65 @@ def kda_inputs(pack, dtype, gate="log-uniform"):
     return {k: v.to(dtype) for k, v in x.items()}
 
 
+FLA_CASES = {"softplus": {"lower_bound": None, "allow_neg_eigval": False},
+             "lower-bound": {"lower_bound": -5.0, "safe_gate": True, "allow_neg_eigval": True}}
+
+
+@functools.lru_cache(maxsize=None)
+def fla_inputs(pack):
+    """FLA's raw inputs with grouped value heads (HV = 2 H): the raw gate, beta logits, A_log, dt_bias."""
+    gen = gen_for("fla", pack)
+    n, HV, f64 = sum(PACKS[pack]), 2 * H, torch.float64
+    x = {"q": F.normalize(torch.randn(1, n, H, K, generator=gen, dtype=f64), dim=-1),
+         "k": F.normalize(torch.randn(1, n, H, K, generator=gen, dtype=f64), dim=-1),
+         "v": torch.randn(1, n, HV, K, generator=gen, dtype=f64), "g": torch.randn(1, n, HV, K, generator=gen, dtype=f64),
+         "beta": torch.randn(1, n, HV, generator=gen, dtype=f64),
+         "h0": torch.randn(len(PACKS[pack]), HV, K, K, generator=gen, dtype=f64),
+         "A_log": torch.rand(HV, generator=gen, dtype=f64), "dt_bias": torch.randn(HV * K, generator=gen, dtype=f64),
+         "wo": torch.randn(1, n, HV, K, generator=gen, dtype=f64),
+         "ws": torch.randn(len(PACKS[pack]), HV, K, K, generator=gen, dtype=f64)}
+    return {k_: v_.float() for k_, v_ in x.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def fla_expected(pack, kind):
+    """FLA's formulas in fp64 on one device: q, k per value head, the gate, 2 sigmoid or sigmoid beta."""
+    x, cfg = fla_inputs(pack), FLA_CASES[kind]
+    leaves = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")}
+    HV = x["v"].shape[2]
+    idx = torch.arange(HV) // (HV // H)
+    raw = leaves["g"] + leaves["dt_bias"].view(HV, K)
+    if cfg["lower_bound"] is None:
+        g = -leaves["A_log"].exp().view(HV, 1) * F.softplus(raw)
+    else:
+        g = cfg["lower_bound"] * torch.sigmoid(leaves["A_log"].exp().view(HV, 1) * raw)
+    beta = (2.0 if cfg["allow_neg_eigval"] else 1.0) * torch.sigmoid(leaves["beta"])
+    o, s = reference.kda_chunked(leaves["q"][:, :, idx], leaves["k"][:, :, idx], leaves["v"], g, beta,
+                                 cu_seqlens=cu_of(PACKS[pack]), initial_state=leaves["h0"], output_final_state=True,
+                                 dtype=torch.float64)
+    ((o * x["wo"].double()).sum() + (s * x["ws"].double()).sum()).backward()
+    return {"o": o.detach(), "final": s.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
+
+
+@pytest.mark.parametrize("layout,kind", [(lay, kind) for lay in LAYOUTS for kind in FLA_CASES])
+def test_kda_op_with_flas_activations(layout, kind):
+    """chunk_kda_cp with FLA's gate and beta activations and grouped value heads (HV = 2 H), per rank, no
+    new communication: the fp64 single-device formulas to the fp32 bound, A_log's and dt_bias's gradients
+    summed over the ranks (each rank's share of the tokens)."""
+    W, pack = 2, "mixed"
+    res = results(W, f"op-fla-{kind}/{layout}/{pack}")
+    plan, want = plans(W, layout, pack), fla_expected(pack, kind)
+    check_modes_bitwise(res, f"op-fla W={W} {layout} {pack}")
+    loc = [r["saved"] for r in res]
+    for key in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+        check_close(f"op-fla-{kind}", W, layout, pack, key, plan.unshard([x[key] for x in loc]), want[key], REL_BOUND)
+    for key in ("final", "dh0"):
+        check_close(f"op-fla-{kind}", W, layout, pack, key, torch.stack([x[key] for x in loc]).sum(0), want[key],
+                    REL_BOUND)
+    for key in ("dA_log", "ddt_bias"):
+        check_close(f"op-fla-{kind}", W, layout, pack, key, sum(x[key] for x in loc), want[key], REL_BOUND)
+
+
 @functools.lru_cache(maxsize=None)
 def kda_expected(pack, dtype, gate="log-uniform"):
     x = kda_inputs(pack, dtype, gate)
@@ -224,6 +283,12 @@ def cases_for(W):
             for gate in STRONG_GATES:
                 cases.append({"kind": "op", "name": f"op-{gate}/{layout}/{pack}", "layout": layout,
                               "cu": cu_of(PACKS[pack]), "inputs": kda_inputs(pack, torch.float32, gate),
+                              "state_dtype": torch.float32, "modes": ["saved", "replay"]})
+    if W == 2:
+        for layout in LAYOUTS:
+            for kind, cfg in FLA_CASES.items():
+                cases.append({"kind": "op", "name": f"op-fla-{kind}/{layout}/mixed", "layout": layout,
+                              "cu": cu_of(PACKS["mixed"]), "inputs": fla_inputs("mixed"), "fla": cfg,
                               "state_dtype": torch.float32, "modes": ["saved", "replay"]})
     if W == 2:
         for layout in LAYOUTS:

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 from .. import options
+from ..ops.gate import activate, expand_heads
 from .._runtime.packing import PLANNED_FROM_HOST
 from . import keys
 from .backends import backend_name, get_backend
@@ -446,7 +447,9 @@ chunk_kda_cp_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[float] = None,
                  initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
-                 backward: str = "replay", backend="auto"):
+                 backward: str = "replay", backend="auto", use_gate_in_kernel: bool = False, A_log=None,
+                 dt_bias=None, lower_bound: Optional[float] = None, safe_gate: bool = False,
+                 use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False):
     """Context-parallel KDA on this rank's LOCAL shards. Collective: every rank of `group`
     calls it with the same plan (built for its rank), in the same order; so is the backward.
 
@@ -463,6 +466,11 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     rank, zero rows elsewhere (all_reduce(SUM) over the group gives all of them). Likewise the
     gradient of initial_state has the rows of the documents that start on this rank.
 
+    FLA's per-token activations, as kda_aot.chunk_kda takes them (no communication: each rank activates
+    its own tokens): use_gate_in_kernel with A_log, dt_bias, lower_bound, safe_gate (g the raw gate);
+    use_beta_sigmoid_in_kernel, allow_neg_eigval (beta the logits); grouped value heads (v, g, beta and
+    the states with HV heads, a multiple of q's and k's H).
+
     Inputs, agreement: all ranks must agree on the plan, H, K, V and scale; a rank whose local
     shapes do not match the plan, or a disagreement, raises a ValueError on every rank.
     The backward is collective too: every rank must back-propagate through its o (or
@@ -471,6 +479,11 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     """
     backend, scale = kda_config(q, plan, scale, backward, backend)
     group, _, _ = resolve_group(group)
+    g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                       lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval,
+                       beta_dtype=beta.dtype if beta.dtype in (torch.float32, torch.float64) else torch.bfloat16)
+    q, k = expand_heads(q, k, v.shape[2])
     return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
                   agree=True)
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..schedule import kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
-from .gate import beta_sigmoid, check_gate_args, kda_gate
+from .gate import activate, expand_heads
 from .norm import l2norm
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 
@@ -312,39 +312,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         warnings.warn("transpose_state_layout is deprecated: use state_v_first", DeprecationWarning, stacklevel=2)
         state_v_first = bool(transpose_state_layout)
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, v: expected shapes [B, T, H, 128] and [B, T, HV, 128], got {list(q.shape)} and "
-                         f"{list(v.shape)}")
-    H, HV = q.shape[2], v.shape[2]
-    if HV % H != 0:
-        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
-    if tuple(g.shape) != tuple(v.shape):
-        raise ValueError(f"g: expected shape {list(v.shape)} ([B, T, HV, 128], as v), got {list(g.shape)}")
-    if tuple(beta.shape) != tuple(v.shape[:3]):
-        raise ValueError(f"beta: expected shape {list(v.shape[:3])} ([B, T, HV]), got {list(beta.shape)}")
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
-    if use_gate_in_kernel:
-        check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
-        g = kda_gate(g, A_log, dt_bias, lower_bound)
-    else:
-        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if t is not None:
-                raise ValueError(f"{name}: only used with use_gate_in_kernel=True (g is the log decay here)")
-        if g.is_floating_point() and g.dtype != torch.float32:
-            g = g.float()
-    if use_beta_sigmoid_in_kernel:
-        beta = beta_sigmoid(beta, allow_neg_eigval)
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
+    g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                       lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16)
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2)
     if use_qk_l2norm_in_kernel:
         _check_head_dim(q, "q")
         q, k = l2norm(q), l2norm(k)
-    if HV != H:  # each value head's q, k (their gradients sum back over the group)
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    q, k = expand_heads(q, k, v.shape[2])
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                  cu_seqlens_cpu, mode)
     if state_v_first and final is not None:

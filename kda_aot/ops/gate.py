@@ -51,24 +51,69 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
 
 def kda_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
              lower_bound: Optional[float]) -> Tensor:
-    """The activated log decay [.., HV, K] in fp32 from the raw gate g [.., HV, K]."""
+    """The activated log decay [.., HV, K] in fp32 (fp64 for an fp64 g) from the raw gate g [.., HV, K]."""
     HV, K = g.shape[-2], g.shape[-1]
-    x = g.float()
+    work = torch.float64 if g.dtype == torch.float64 else torch.float32
+    x = g.to(work)
     if dt_bias is not None:
-        x = x + dt_bias.float().reshape(HV, K)
+        x = x + dt_bias.to(work).reshape(HV, K)
     if lower_bound is None:
-        return -A_log.float().reshape(HV, 1).exp() * F.softplus(x)
+        return -A_log.to(work).reshape(HV, 1).exp() * F.softplus(x)
     if A_log is not None:
-        x = A_log.float().reshape(HV, 1).exp() * x
+        x = A_log.to(work).reshape(HV, 1).exp() * x
     return float(lower_bound) * torch.sigmoid(x)
 
 
-def beta_sigmoid(b: Tensor, allow_neg_eigval: bool) -> Tensor:
-    """beta = sigmoid(b), or 2 sigmoid(b) with allow_neg_eigval, computed in fp32 and given to the kernels
-    in bf16 (their beta operand)."""
+def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """beta = sigmoid(b), or 2 sigmoid(b) with allow_neg_eigval, computed in fp32 (fp64 for fp64 b) and
+    returned in `dtype` (the kernels' beta operand is bf16)."""
     if not b.is_floating_point():
         raise TypeError(f"beta: the raw beta must be floating point with use_beta_sigmoid_in_kernel, got {b.dtype}")
-    beta = torch.sigmoid(b.float())
+    beta = torch.sigmoid(b.double() if b.dtype == torch.float64 else b.float())
     if allow_neg_eigval:
         beta = 2.0 * beta
-    return beta.to(torch.bfloat16)
+    return beta.to(dtype)
+
+
+def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
+             lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+             beta_dtype: torch.dtype) -> tuple:
+    """FLA's per-token input activations, checked: (g as the log decay, beta). q [.., H, K], v, g [.., HV, K]
+    and beta [.., HV] with HV a multiple of H; a narrower float g without use_gate_in_kernel is widened to
+    fp32 exactly. Per token: under context parallelism each rank activates its own tokens."""
+    for name, t in (("q", q), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, v: expected shapes [B, T, H, K] and [B, T, HV, V], got {list(q.shape)} and "
+                         f"{list(v.shape)}")
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
+    if tuple(g.shape) != (*v.shape[:3], q.shape[3]):
+        raise ValueError(f"g: expected shape {[*v.shape[:3], q.shape[3]]} ([B, T, HV, K]), got {list(g.shape)}")
+    if tuple(beta.shape) != tuple(v.shape[:3]):
+        raise ValueError(f"beta: expected shape {list(v.shape[:3])} ([B, T, HV]), got {list(beta.shape)}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
+    if use_gate_in_kernel:
+        check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    else:
+        for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if t is not None:
+                raise ValueError(f"{name}: only used with use_gate_in_kernel=True (g is the log decay here)")
+        if g.is_floating_point() and g.dtype not in (torch.float32, torch.float64):
+            g = g.float()
+    if use_beta_sigmoid_in_kernel:
+        beta = beta_sigmoid(beta, allow_neg_eigval, beta_dtype)
+    return g, beta
+
+
+def expand_heads(q: Tensor, k: Tensor, value_heads: int) -> tuple:
+    """q, k [.., H, K] for each of the value heads (value head j reads head j // (HV / H)); their gradients
+    sum back over the group."""
+    H = q.shape[2]
+    if value_heads == H:
+        return q, k
+    return q.repeat_interleave(value_heads // H, dim=2), k.repeat_interleave(value_heads // H, dim=2)
