@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd or both")
     p.add_argument("--no-fla", action="store_true", help="single: leave out the flash-linear-attention arm")
-    p.add_argument("--walk-forms", default="auto", help="single: fit-rule knob per kda_aot arm, e.g. auto,full")
+    p.add_argument("--walk-forms", default="auto", help="single: walk form per kda_aot arm (auto: the fit rule), e.g. auto,full")
     p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

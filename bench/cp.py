@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=HEADS_DEFAULT)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
-    p.add_argument("--walk-forms", default="auto", help="fit-rule knob per kda_aot arm, e.g. auto,full")
+    p.add_argument("--walk-forms", default="auto", help="walk form per kda_aot arm (auto: the fit rule), e.g. auto,full")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
     p.add_argument("--no-fla", action="store_true", help="leave out flash-linear-attention's CP arm")
     p.add_argument("--per-fragment-summaries", action="store_true",

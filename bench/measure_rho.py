@@ -45,7 +45,7 @@ def walk_times(docs, heads, chunks_per_chain):
     """{(program, form): ms} for one launch of `docs` x `heads` equal chains."""
     q, k, v, g, beta, cu = inputs([CHUNK * chunks_per_chain] * docs, heads)
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, save_tape=True,
-                                tape_form="full")
+                                walk_form="full")
     tensors = {n: x for n, x in saved.items() if isinstance(x, torch.Tensor)}
     C, N = saved["chunks"].shape[0], docs
     bwd = {n: tensors[n] for n in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}

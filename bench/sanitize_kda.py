@@ -19,7 +19,7 @@ cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
 h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
 for form in ("full", "split"):
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                                save_tape=True, tape_form=form)
+                                save_tape=True, walk_form=form)
 do, dht = torch.randn_like(q), torch.randn_like(h0)
 chunk_kda_bwd(saved, do, dht)
 # a mixed walk plan: one launch per run of segments, each on its own stream (sliced segment tables)
@@ -39,10 +39,10 @@ l2norm_backward(q, rstd, do)
 # the test-only forms, each when built (one missing does not hide the others)
 dtape, _ = chunk_kda_bwd_walk(saved, do, dht)
 runs = {
-    "kda_bwd_tape/split": lambda: chunk_kda_bwd_walk(saved, do, dht, tape_form="split"),
+    "kda_bwd_tape/split": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="split"),
     "kda_fwd_tape/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
-                                                  output_final_state=True, save_tape=True, tape_form="quarter"),
-    "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, tape_form="quarter"),
+                                                  output_final_state=True, save_tape=True, walk_form="quarter"),
+    "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="quarter"),
     "kda_fwd_chunk/balanced": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
                                                         chunk_form="balanced"),
     "kda_fwd_chunk/default": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,

@@ -77,7 +77,7 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
 
 def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"), with_fla=True,
         walk_forms=("auto",), on_rows=None) -> list[dict]:
-    """walk_forms: one kda_aot arm per fit-rule knob value ("kda_aot" = auto, "kda_aot@full", ...),
+    """walk_forms: one kda_aot arm per walk form ("kda_aot" = auto, "kda_aot@full", ...),
     interleaved with each other and with FLA (issue 5: auto vs forced full). on_rows(rows) is called
     after each (pack, boundary, mode), so a run cut short keeps what it measured."""
     rows = []

@@ -35,7 +35,7 @@ def main():
     print("| --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- |")
     for name, kw in kinds.items():
         for _ in range(2):  # the second launch is the one read
-            _, ht, _ = chunk_kda_walk(prepared, initial_state=h0, output_final_state=True, tape_form="full", **kw)
+            _, ht, _ = chunk_kda_walk(prepared, initial_state=h0, output_final_state=True, walk_form="full", **kw)
         torch.cuda.synchronize()
         row = ht[0, 0, 0].cpu()
         for wg in (0, 1):

@@ -43,18 +43,18 @@ def main():
         q, k, v, g, beta, cu = inputs([CHUNK * n] * docs, H)
         prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
         h0 = torch.randn(docs, H, 128, 128, device="cuda")
-        _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, tape_form="full")
+        _, _, saved = chunk_kda_walk(prepared, initial_state=h0, save_tape=True, walk_form="full")
         dout = torch.randn_like(q)
         dht = torch.randn_like(h0)
         arms = {
-            "fwd o": lambda: chunk_kda_walk(prepared, initial_state=h0, tape_form="full"),
-            "fwd o+tape": lambda: chunk_kda_walk(prepared, initial_state=h0, save_tape=True, tape_form="full"),
+            "fwd o": lambda: chunk_kda_walk(prepared, initial_state=h0, walk_form="full"),
+            "fwd o+tape": lambda: chunk_kda_walk(prepared, initial_state=h0, save_tape=True, walk_form="full"),
             "fwd tape": lambda: chunk_kda_walk(prepared, initial_state=h0, save_tape=True, want_output=False,
-                                               tape_form="full"),
+                                               walk_form="full"),
             "fwd bare": lambda: chunk_kda_walk(prepared, initial_state=h0, output_final_state=True,
-                                               want_output=False, tape_form="full"),
-            "bwd dtape": lambda: chunk_kda_bwd_walk(saved, dout, dht, tape_form="full"),
-            "bwd offset": lambda: chunk_kda_bwd_walk(saved, dout, dht, need_dtape=False, tape_form="full"),
+                                               want_output=False, walk_form="full"),
+            "bwd dtape": lambda: chunk_kda_bwd_walk(saved, dout, dht, walk_form="full"),
+            "bwd offset": lambda: chunk_kda_bwd_walk(saved, dout, dht, need_dtape=False, walk_form="full"),
         }
         us = {name: 1000 * median_ms(fn) / n for name, fn in arms.items()}
         print(f"| {docs} | {H} | {docs * H} | " + " | ".join(f"{x:.2f}" for x in us.values()) + " |", flush=True)

@@ -87,7 +87,7 @@ def results(name):
         cases = [{"kind": "op", "backend": "cuda", "name": f"{lay}/{pack}", "layout": lay,
                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                   "modes": ["saved", "replay"]} for lay in cp.LAYOUTS for pack in PACKS]
-        # one summary per fragment (the knob off; the default batches them in pieces composed in fp32)
+        # one summary per fragment (cp_batched_summaries off; the default batches them in pieces composed in fp32)
         cases += [{"kind": "op", "backend": "cuda", "name": f"per-fragment/{lay}/{pack}", "layout": lay,
                    "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack), "state_dtype": torch.float32,
                    "modes": ["saved", "replay"], "options": PER_FRAGMENT} for lay in cp.LAYOUTS for pack in ("mixed", "long")]

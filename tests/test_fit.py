@@ -1,4 +1,4 @@
-"""The fit rule: list scheduling, the form decision, the knob, the cache."""
+"""The fit rule: list scheduling, the form decision, a forced walk form, the cache."""
 import logging
 from pathlib import Path
 
@@ -46,7 +46,7 @@ def test_few_chains_use_the_alone_cost():
     assert fit.predicted((100,), 67, 132, rho=1.05, rho_alone=0.6)["split"] == pytest.approx(105.0)
 
 
-def test_knob_and_unmeasured_rho(monkeypatch, kda_options, caplog):
+def test_forced_walk_form_and_unmeasured_rho(monkeypatch, kda_options, caplog):
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {})
     with caplog.at_level(logging.INFO, logger="kda_aot.schedule.fit"):

@@ -39,7 +39,7 @@ def test_state_gradient_walk_matches_reference(pack, gate, dfinal, form):
     C = saved["chunks"].shape[0]
     out = {"dtape": torch.full((C, H, 128, 128), float("nan"), device="cuda"),
            "dinitial_state": torch.full((N, H, 128, 128), float("nan"), device="cuda")}
-    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, out=out, tape_form=form)
+    dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, out=out, walk_form=form)
     assert torch.isfinite(dtape).all() and torch.isfinite(dh0).all(), "unwritten or non-finite outputs"
 
     cpu = [x.cpu() for x in (q, k, v, g, beta)]
@@ -135,7 +135,7 @@ def test_balanced_chunk_form_gradients_match_reference(kda_options, pack, gate):
 
 def test_balanced_chunk_form_keeps_saved_and_replay_bitwise(kda_options):
     """Both modes run the same chunk form: saved and replay gradients bitwise equal under a test-only
-    chunk form too (the knob reaches the replay's chunk stage)."""
+    chunk form too (the option reaches the replay's chunk stage)."""
     require_form("kda_fwd_chunk", "balanced")
     kda_options(chunk_form="balanced")
     q, k, v, g, beta, cu, h0 = make(PACKS["long"], 3, "rand", rng("balanced-modes"), True)
@@ -267,13 +267,13 @@ def test_bwd_walk_forms_are_bitwise_equal(chains, H, form):
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-forms-do", chains, H, form))).to(torch.bfloat16)
     dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("bwd-forms-dht", chains, H, form)))
-    full = chunk_kda_bwd_walk(saved, dout, dht, tape_form="full")
-    other = chunk_kda_bwd_walk(saved, dout, dht, tape_form=form,
+    full = chunk_kda_bwd_walk(saved, dout, dht, walk_form="full")
+    other = chunk_kda_bwd_walk(saved, dout, dht, walk_form=form,
                                out={"dtape": poisoned(full[0]), "dinitial_state": poisoned(full[1])})
     assert torch.equal(full[0], other[0]) and torch.equal(full[1], other[1])
     # the offset walk (no tape written: context parallelism's entering-state gradients), every form
     for offset_form in ("full", form):
-        dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, need_dtape=False, tape_form=offset_form,
+        dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dht, need_dtape=False, walk_form=offset_form,
                                         out={"dinitial_state": poisoned(full[1])})
         assert dtape is None and torch.equal(dh0, full[1]), offset_form
 
@@ -292,8 +292,8 @@ def test_mixed_walk_plans_are_bitwise_the_uniform_walk(monkeypatch, plan):
     dout = torch.randn(q.shape, device="cuda", generator=rng(("mixed-do", plan))).to(torch.bfloat16)
     dht = torch.randn(len(lens), H, 128, 128, device="cuda", generator=rng(("mixed-dht", plan)))
     ref = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                        save_tape=True, tape_form="full")
-    ref_b = chunk_kda_bwd_walk(ref[2], dout, dht, tape_form="full")
+                        save_tape=True, walk_form="full")
+    ref_b = chunk_kda_bwd_walk(ref[2], dout, dht, walk_form="full")
     calls = []
     monkeypatch.setattr(fit, "plan_walk", lambda program, *args, **kw: calls.append(program) or plan)
     # one walk launch over every segment (the plan names segments 0-5): not the pipeline's per-group walks

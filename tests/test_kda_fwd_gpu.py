@@ -193,9 +193,9 @@ def test_walk_forms_are_bitwise_equal(chains, H, form):
     launch. Outputs poisoned first."""
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], H, "mild", rng(("forms", chains, H)), True)
     o1, h1, s1 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                               save_tape=True, tape_form="full")
+                               save_tape=True, walk_form="full")
     o2, h2, s2 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                               save_tape=True, tape_form=form,
+                               save_tape=True, walk_form=form,
                                out={"o": poisoned(o1), "final_state": poisoned(h1), "tape": poisoned(s1["tape"]),
                                     "vnew": poisoned(s1["vnew"])})
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
@@ -203,7 +203,7 @@ def test_walk_forms_are_bitwise_equal(chains, H, form):
     # the offset walk (end states only: context parallelism's summaries), every form
     for offset_form in ("full", form):
         o3, h3, s3 = chunk_kda_walk(s1, initial_state=h0, output_final_state=True, want_output=False,
-                                    tape_form=offset_form, out={"final_state": poisoned(h1)})
+                                    walk_form=offset_form, out={"final_state": poisoned(h1)})
         assert o3 is None and s3["tape"] is None and torch.equal(h3, h1), offset_form
 
 
@@ -212,9 +212,9 @@ def test_walk_without_output_is_bitwise_the_same(form):
     """want_output=False (the replay's and the CP summaries' walk) skips the output stage only."""
     q, k, v, g, beta, cu, h0 = make(PACKS["edges"], 3, "rand", rng(("no-output", form)), True)
     a = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
-                      tape_form=form)
+                      walk_form=form)
     b = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
-                      tape_form=form, want_output=False)
+                      walk_form=form, want_output=False)
     assert b[0] is None and torch.equal(a[1], b[1])
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(a[2][name], b[2][name]), name
@@ -262,10 +262,10 @@ def test_pipelined_forward_with_forced_walk_forms(monkeypatch):
     lens = [1025, 193, 1563, 487, 625, 205]  # six segments: groups of one and two segments
     q, k, v, g, beta, cu, h0 = make(lens, 4, "rand", rng("pipeline-forms"), True)
     o1, h1, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                              pipeline=False, tape_form="full")
+                              pipeline=False, walk_form="full")
     for form in ("split", "quarter"):
         o2, h2, _ = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                                  pipeline=True, tape_form=form, out={"o": poisoned(o1), "final_state": poisoned(h1)})
+                                  pipeline=True, walk_form=form, out={"o": poisoned(o1), "final_state": poisoned(h1)})
         assert torch.equal(o1, o2) and torch.equal(h1, h2), form
     monkeypatch.setattr(fit, "plan_walk", lambda program, lengths, *a, **kw: (
         (("split", 0, 1), ("full", 1, len(lengths))) if len(lengths) > 1 else (("full", 0, 1),)))

@@ -219,7 +219,7 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     entering(prepared, final_state) once the chunk stage is queued (called once, also with nothing
     deferred: the exchange is collective) with the senders' final states already there, the deferred
     segments' walks from what it returns; against prepare() then forward() with the same entering
-    states. beside: the exchange and the deferred walks on a stream of their own (knob on), the
+    states. beside: the exchange and the deferred walks on a stream of their own (cp_exchange_beside), the
     sent chains pieced when they are the longest (pieced-sender, lone-sender-pieced: 32 chunks; 1-sender's
     11 are too few to cut); main-stream: neither (the default order)."""
     from kda_aot.cp.backends import CudaBackend

@@ -138,7 +138,7 @@ def _batched_summaries_on() -> bool:
 
 def _summaries(backend, prepared, local, frags, k, v, g, beta, need_b: bool) -> dict:
     """{f.index: (M, B or None)} of the local fragments `frags`. Batched (summaries_of) when the
-    backend has it and the knob is on, its pieces planned on the fragments the forward summarises
+    backend has it and Options.cp_batched_summaries is on, its pieces planned on the fragments the forward summarises
     (every local fragment but the last of its document) in both passes, so that the backward's M
     are the forward's bits; else one summary per fragment."""
     if prepared is not None and frags and _batched_summaries_on() and hasattr(backend, "summaries_of"):

@@ -25,7 +25,7 @@ kda_aot/schedule/fit_params/<gpu>.json, which ships with the package beside the 
 H200's table missing is an error, a GPU without a table gets none: its `auto` keeps `full`, and the
 pipeline its plain SM split, and the log says so); while a program has no entry, `auto` keeps `full`
 and says so in the log. Decisions are
-cached per (program, chain lengths, H, SM count, knob); every launch can be logged as
+cached per (program, chain lengths, H, SM count, walk_form); every launch can be logged as
 (program, form, chains) on the `kda_aot.schedule.fit` logger at DEBUG level.
 """
 from __future__ import annotations
@@ -171,10 +171,10 @@ def mixed_makespan(chain_lengths: tuple, heads: int, sm_count: int, split: set, 
 
 
 @functools.lru_cache(maxsize=4096)
-def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob: str) -> tuple:
+def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, walk_form: str) -> tuple:
     n = len(chain_lengths)
-    if knob in FORMS:
-        return ((knob, 0, n),)
+    if walk_form in FORMS:
+        return ((walk_form, 0, n),)
     rhos = measured_rho().get(program)
     if rhos is None:
         log.info("%s: rho not measured on this GPU yet (bench/measure_rho.py); keeping the full form", program)
@@ -197,13 +197,13 @@ def _decide(program: str, chain_lengths: tuple, heads: int, sm_count: int, knob:
     return best
 
 
-def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, knob: str | None = None) -> tuple:
+def plan_walk(program: str, chain_lengths, heads: int, sm_count: int, walk_form: str | None = None) -> tuple:
     """The launches of one walk: ((form, first segment, end segment), ...) covering every segment in
-    order. knob: auto | full | split | quarter (default: Options.walk_form)."""
-    knob = knob or options.current().walk_form
-    if knob not in options.WALK_FORMS:
-        raise ValueError(f"walk_form: expected one of {options.WALK_FORMS}, got {knob!r}")
-    plan = _decide(program, tuple(int(n) for n in chain_lengths), int(heads), int(sm_count), knob)
+    order. walk_form: auto | full | split | quarter (default: Options.walk_form)."""
+    walk_form = walk_form or options.current().walk_form
+    if walk_form not in options.WALK_FORMS:
+        raise ValueError(f"walk_form: expected one of {options.WALK_FORMS}, got {walk_form!r}")
+    plan = _decide(program, tuple(int(n) for n in chain_lengths), int(heads), int(sm_count), walk_form)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("launch %s %s chains=%d", program,
                   " ".join(f"{form}[{a}:{b}]" for form, a, b in plan), len(chain_lengths) * heads)

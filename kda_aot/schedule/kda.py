@@ -91,7 +91,7 @@ def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
     return part
 
 
-def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, knob, sm_count=None,
+def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, walk_form, sm_count=None,
                  pool=None) -> tuple:
     """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
     one launch per run of segments of one form; several runs go on side streams that fork from and
@@ -99,7 +99,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     their CTAs get SMs of their own and the full runs take the SMs left over. pool: the side-stream
     pool (default: the program's; walks that run at the same time need pools of their own).
     Returns the plan."""
-    plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), knob)
+    plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), walk_form)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
@@ -196,7 +196,7 @@ def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool,
 
 
 def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
-                   tape_form=None, want_output=True, sm_count=None, pool=None):
+                   walk_form=None, want_output=True, sm_count=None, pool=None):
     """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
     (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape).
     `out` may hold preallocated o, final_state, tape, vnew. sm_count: the SMs the fit rule plans
@@ -212,16 +212,16 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
                              output_final_state=output_final_state))
     if not save_tape:
         t["akk_inv"] = None
-    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, tape_form, sm_count, pool)
+    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, walk_form, sm_count, pool)
     return t["o"], t["final_state"], t
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, tape_form=None, want_output=True, pipeline=None):
+                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
-    gamma (tests poison them). tape_form: auto | full | split | quarter (default: Options.walk_form,
+    gamma (tests poison them). walk_form: auto | full | split | quarter (default: Options.walk_form,
     auto = the fit rule). want_output=False: the walk skips the output stage (the replay
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
@@ -229,7 +229,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
-                     tape_form=tape_form, want_output=want_output)
+                     walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
     if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not _on_gpu(q):
         _launch_chunk_stage(prepared, chunk_form, initial_state)
@@ -285,7 +285,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
 
 
 def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
-                   tape_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False,
+                   walk_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False,
                    summarised=None):
     """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
     the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
@@ -344,7 +344,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                     run_out["final_state"], want_final = handoff[p], True
             with torch.cuda.stream(streams[0]):
                 chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape,
-                               out=run_out, tape_form=tape_form, want_output=want_output, sm_count=sm_count,
+                               out=run_out, walk_form=walk_form, want_output=want_output, sm_count=sm_count,
                                pool=f"kda_fwd_tape/pipeline{i}")
 
     def walk_deferred(groups, streams):
@@ -374,7 +374,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                     n = rb - ra
                     chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
                                    output_final_state=True, save_tape=save_tape,
-                                   out=dict(part, final_state=full["final_state"][ra:rb]), tape_form=tape_form,
+                                   out=dict(part, final_state=full["final_state"][ra:rb]), walk_form=walk_form,
                                    want_output=want_output, pool="kda_fwd_tape/deferred")
                     start += n
         finally:
@@ -410,7 +410,7 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
-                                     save_tape=save_tape, tape_form=None, want_output=True, deferred=deferred,
+                                     save_tape=save_tape, walk_form=None, want_output=True, deferred=deferred,
                                      entering=entering, senders=senders, exchange_beside=exchange_beside,
                                      summarised=summarised)
     saved["initial_state"] = None  # its deferred rows were placeholders (the backward reads the tape)
@@ -447,13 +447,13 @@ def _check_dout(dout, q):
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, need_dtape=True,
-                       out=None, tape_form=None, sm_count=None, pool=None):
+                       out=None, walk_form=None, sm_count=None, pool=None):
     """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END, or None,
     d_initial_state [N, H, 128, 128] fp32 or None). need_dtape=False: the offset walk (context
     parallelism's entering-state gradients: no tape written; the binding refuses a call that asks
     for neither). `out` may hold preallocated tensors.
-    tape_form: auto | full | split | quarter (default: Options.walk_form, auto = the fit
+    walk_form: auto | full | split | quarter (default: Options.walk_form, auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
     q = saved["q"]
     _check_dout(dout, q)
@@ -466,7 +466,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
              dtape=out_or(out, "dtape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if need_dtape else None,
              dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, HEAD_DIM, HEAD_DIM, **f32))
                              if need_dinitial_state else None))
-    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, tape_form, sm_count, pool)
+    _launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, walk_form, sm_count, pool)
     return t["dtape"], t["dinitial_state"]
 
 
