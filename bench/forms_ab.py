@@ -20,7 +20,8 @@ from kda_aot import options
 from bench.packs import PACKS
 from bench.single import inputs
 from kda_aot._runtime import registry
-from kda_aot.schedule.kda import BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd, chunk_kda_prepare
+from kda_aot.schedule.kda import BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_fwd, chunk_kda_prepare
+from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
 
 
 def main():

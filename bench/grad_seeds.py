@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_kda_fwd_gpu import PACKS, make, rel_rms  # noqa: E402
 
 from kda_aot import reference  # noqa: E402
-from kda_aot.schedule.kda import chunk_kda_bwd, chunk_kda_fwd  # noqa: E402
+from kda_aot.schedule.kda import chunk_kda_fwd  # noqa: E402
+from kda_aot.schedule.backward import chunk_kda_bwd
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 

@@ -12,7 +12,8 @@ import statistics
 import torch
 
 from bench.single import inputs
-from kda_aot.schedule.kda import CHUNK, chunk_kda_bwd_walk, chunk_kda_prepare, chunk_kda_walk
+from kda_aot.schedule.kda import CHUNK, chunk_kda_prepare, chunk_kda_walk
+from kda_aot.schedule.backward import chunk_kda_bwd_walk
 
 # (documents, heads): chains = documents x heads, at most one full CTA per SM on 132 SMs
 CONFIGS = ((1, 32), (8, 4), (32, 1), (4, 32), (64, 2), (128, 1))

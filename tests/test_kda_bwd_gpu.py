@@ -10,7 +10,8 @@ import torch
 
 from conftest import SEED, gpu
 from kda_aot import reference
-from kda_aot.schedule.kda import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk, chunk_kda_fwd
+from kda_aot.schedule.kda import chunk_kda_fwd
+from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
 from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, poisoned, rel_rms, require_form, rng
 
 pytestmark = gpu
@@ -377,7 +378,7 @@ def test_pieced_replay_walks_are_bitwise_the_unpieced_ones(lens, init, skip):
     each from its neighbour's end state; 47 chunks: 5 pieces, 32: 4) writes the bits of the unpieced
     order, the skipped backward walk (skip_bwd) left out alike; the pieced run's tensors allocated over NaN."""
     from kda_aot.schedule import fit
-    from kda_aot.schedule.kda import _replay_walks_pipelined
+    from kda_aot.schedule.backward import _replay_walks_pipelined
     from test_kda_fwd_gpu import nan_filled_allocator
     lengths = tuple(-(-n // 64) for n in lens)
     chosen = fit.pieced_group(lengths, cp=True)
@@ -405,7 +406,8 @@ def test_pipelined_replay_walks_are_bitwise_replay_walks(chains, init):
     """The pipelined replay (chunk stage per segment group, the group's two walks on side streams)
     returns the saved context and walk results of chunk_kda_prepare + replay_walks, bit for bit;
     its tensors are allocated over NaN (nan_filled_allocator), so a range left unwritten shows."""
-    from kda_aot.schedule.kda import _replay_walks_pipelined, chunk_kda_prepare, replay_walks
+    from kda_aot.schedule.kda import chunk_kda_prepare
+    from kda_aot.schedule.backward import _replay_walks_pipelined, replay_walks
     from test_kda_fwd_gpu import nan_filled_allocator
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline-replay", chains, init)), init)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-replay-do", chains))).to(torch.bfloat16)

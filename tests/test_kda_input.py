@@ -136,7 +136,7 @@ def test_backward_mode_must_be_known():
 
 
 def test_head_groups_split_evenly_and_cover_every_head():
-    from kda_aot.schedule.kda import head_groups
+    from kda_aot.schedule.backward import head_groups
     assert head_groups(64, per_head=10, available=1000) == [(0, 64)]
     assert head_groups(64, per_head=10, available=420) == [(0, 32), (32, 64)]
     assert head_groups(3, per_head=10, available=1000, max_heads=1) == [(0, 1), (1, 2), (2, 3)]
@@ -150,7 +150,7 @@ def test_head_groups_split_evenly_and_cover_every_head():
 
 
 def test_replay_working_set_is_counted_per_head():
-    from kda_aot.schedule.kda import replay_bytes_per_head
+    from kda_aot.schedule.backward import replay_bytes_per_head
     # Q1 (249,856 tokens, 3,904 chunks): about 1.5 GB a head, so H = 64 needs two groups on an H200
     b = replay_bytes_per_head(249856, 3904)
     assert 1.45e9 < b < 1.65e9
@@ -184,7 +184,7 @@ def test_chunk_forms_are_checked_before_any_kernel(kda_options):
 
 
 def test_bwd_chunk_forms_are_checked_before_any_kernel(kda_options):
-    from kda_aot.schedule.kda import chunk_kda_bwd_chunk
+    from kda_aot.schedule.backward import chunk_kda_bwd_chunk
     with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
         chunk_kda_bwd_chunk({}, None, None, form="eager")
     kda_options(bwd_chunk_form="lazy")
@@ -193,7 +193,7 @@ def test_bwd_chunk_forms_are_checked_before_any_kernel(kda_options):
 
 
 def test_backward_forms_are_checked_before_any_kernel(kda_options):
-    from kda_aot.schedule.kda import chunk_kda_bwd
+    from kda_aot.schedule.backward import chunk_kda_bwd
     with pytest.raises(ValueError, match="gate_form: expected one of"):
         chunk_kda_bwd({}, None, gate_form="quarter")
     kda_options(gate_form="half")
@@ -206,7 +206,7 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
     kda_bwd_chunk and kda_bwd_gate get every tensor they read and write (the plain order: all
     chunks), and a chunk-range launch (the pipelined replay's backward) narrows exactly the
     chunk-indexed ones (chunks, gamma, tape, dtape, dgam_s) and nothing else."""
-    from kda_aot.schedule import kda
+    from kda_aot.schedule import backward
 
     calls = []
 
@@ -230,7 +230,7 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
     dtape, dh0 = torch.zeros(C, H, 128, 128), torch.zeros(2, H, 128, 128)
     for gate_form in ("split_staged", "full"):
         calls.clear()
-        dq, dk, dv, dg, dbeta, d0 = kda.chunk_kda_bwd(dict(saved), tok(), gate_form=gate_form, walk=[dtape, dh0])
+        dq, dk, dv, dg, dbeta, d0 = backward.chunk_kda_bwd(dict(saved), tok(), gate_form=gate_form, walk=[dtape, dh0])
         assert [p for p, _ in calls] == ["kda_bwd_chunk", "kda_bwd_gate"] and d0 is dh0
         assert set(calls[0][1]) == {"chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew", "akk_inv",
                                     "beta", "tape", "dout", "dtape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",

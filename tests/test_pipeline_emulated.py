@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import SEED
-from kda_aot.schedule import fit, kda
+from kda_aot.schedule import backward, fit, kda
 
 
 def _rows(t):
@@ -178,10 +178,10 @@ def test_every_replay_order_gives_the_same_bits(kda_options, emulated, monkeypat
     got = {}
     for name, pipeline in (("plain", "0"), ("pipelined", "1")):
         kda_options(pipeline=pipeline == "1")
-        got[name] = kda._replay_step(q, k, v, g, beta, h0, cu, 0.1, do, dht)
+        got[name] = backward._replay_step(q, k, v, g, beta, h0, cu, 0.1, do, dht)
     _, _, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, scale=0.1, initial_state=h0, save_tape=True,
                                     pipeline=False)
-    got["saved"] = kda.chunk_kda_bwd(saved, do, dht, release=True)
+    got["saved"] = backward.chunk_kda_bwd(saved, do, dht, release=True)
     for name, grads in got.items():
         for label, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got["plain"], grads):
             assert not torch.isnan(y).any(), f"{name} {label}: rows no launch wrote"

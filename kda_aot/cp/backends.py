@@ -37,7 +37,7 @@ states:
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
 the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
 offset walk (the state walk writing no tape; its d_initial_state is the one the full backward
-returns), replay = the forward walk (no output) beside the backward offset walk (kda.replay_walks).
+returns), replay = the forward walk (no output) beside the backward offset walk (backward.replay_walks).
 """
 from __future__ import annotations
 
@@ -177,9 +177,9 @@ class CudaBackend:
     def replay(self, prepared, states: torch.Tensor, do: torch.Tensor, dfinals):
         """The replay backward's forward walk (tape and V' for the backward; no output) and, when
         `dfinals` is given, the state-gradient walk for D — which reads only the chunk stage — side
-        by side (kda.replay_walks). Returns (saved context, D or None): the same bits as forward()
+        by side (backward.replay_walks). Returns (saved context, D or None): the same bits as forward()
         then state_grads()."""
-        from ..schedule.kda import replay_walks
+        from ..schedule.backward import replay_walks
         saved, bwd = replay_walks(prepared, states.to(torch.float32).contiguous(),
                                   None if dfinals is None else do.to(torch.bfloat16).contiguous(),
                                   None if dfinals is None else dfinals.to(torch.float32).contiguous(),
@@ -209,16 +209,16 @@ class CudaBackend:
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
                          do: torch.Tensor, dfinals: torch.Tensor, skip_bwd: Sequence[int] = ()):
-        """prepare() then replay() in the single-GPU replay's pipelined order (kda._replay_walks_pipelined):
+        """prepare() then replay() in the single-GPU replay's pipelined order (backward._replay_walks_pipelined):
         the chunk stage a segment group at a time, each group's forward walk and backward walk beside
         the later groups' chunk stage. The backward walk runs in full (its tape too) from `dfinals`:
         returns (saved context, [dtape, D]); D has replay()'s bits, and the segments whose exit-state
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
-        chain is walked in pieces (kda._replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
+        chain is walked in pieces (backward._replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
         not): bitwise the same."""
-        from ..schedule.kda import _replay_walks_pipelined
+        from ..schedule.backward import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
                                        do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
@@ -228,12 +228,12 @@ class CudaBackend:
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
         rewalk (with walk): segments whose walk ran from a stand-in exit-state gradient and runs again
         from dfinals' rows (beside kda_bwd_chunk over the other segments where that hides it)."""
-        from ..schedule.kda import chunk_kda_bwd
+        from ..schedule.backward import chunk_kda_bwd
         return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                              walk=walk, rewalk=rewalk)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
-        from ..schedule.kda import chunk_kda_bwd_walk
+        from ..schedule.backward import chunk_kda_bwd_walk
         return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
                                   need_dtape=False)[1]  # the offset walk: no tape written
 

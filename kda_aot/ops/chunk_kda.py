@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..schedule import kda
+from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
 from .gate import activate, expand_heads
 from .norm import l2norm
@@ -155,7 +155,7 @@ def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
     if tables.n_segments == 0:
         return _empty_backward(q, k, v, g, beta, tables, h0, dht)
-    grads = kda.replay_backward(q, k, v, g, beta, tables.segment_rows(h0), tables, scale, do,
+    grads = kda_backward.replay_backward(q, k, v, g, beta, tables.segment_rows(h0), tables, scale, do,
                                 tables.segment_rows(dht))
     return _backward_result(q, beta, tables, grads, h0, dht)
 
@@ -188,7 +188,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
                  chain_lengths=tables.chain_lengths, scale=scale)
-    grads = kda.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
+    grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
     return _backward_result(q, beta, tables, grads, h0, dht)
 
 

@@ -364,7 +364,7 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
 
 @functools.lru_cache(maxsize=1024)
 def rewalk_beside(chain_lengths: tuple, rewalk: tuple, heads: int, sms: int) -> int | None:
-    """The SMs of the CP replay backward's second walk of the `rewalk` segments (kda.chunk_kda_bwd)
+    """The SMs of the CP replay backward's second walk of the `rewalk` segments (backward.chunk_kda_bwd)
     when it runs beside kda_bwd_chunk over the other segments' chunks: one full CTA per chain, when
     that walk is predicted to end before kda_bwd_chunk over the others does (slowed by the SMs the
     walk holds); None: no such overlap pays (nothing else to run beside, more chains than SMs, a

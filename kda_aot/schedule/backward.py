@@ -1,0 +1,380 @@
+"""The KDA backward's launch sequences: the backward walk (chunk_kda_bwd_walk), kda_bwd_chunk and
+kda_bwd_gate (chunk_kda_bwd), and the replay backward (replay_backward: the forward kernels again, their
+walks beside the backward walk, then the chunk-parallel backward), a head group at a time when memory is
+short. The chunk stage, the forward walk and the launch helpers are kda.py's (used through the module, so
+that a test's stand-ins for them reach this file too)."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from . import fit, kda
+from .. import options
+from .._runtime import registry
+from .._runtime.packing import CHUNK
+from .._runtime.tensor import host_table_to, out_or
+from .plan import replay_plan
+
+
+def _check_dout(dout, q):
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
+
+
+def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, need_dtape=True,
+                       out=None, walk_form=None, sm_count=None, pool=None):
+    """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
+    (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END, or None,
+    d_initial_state [N, H, 128, 128] fp32 or None). need_dtape=False: the offset walk (context
+    parallelism's entering-state gradients: no tape written; the binding refuses a call that asks
+    for neither). `out` may hold preallocated tensors.
+    walk_form: auto | full | split | quarter (default: Options.walk_form, auto = the fit
+    rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
+    q = saved["q"]
+    _check_dout(dout, q)
+    N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
+    scale = saved["scale"]
+    out = dict(out or {})
+    f32 = dict(device=q.device, dtype=torch.float32)
+    t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
+    t.update(dout=dout.contiguous(), dfinal_state=dfinal_state,
+             dtape=out_or(out, "dtape", lambda: torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, **f32)) if need_dtape else None,
+             dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, **f32))
+                             if need_dinitial_state else None))
+    kda._launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, walk_form, sm_count, pool)
+    return t["dtape"], t["dinitial_state"]
+
+
+def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
+    """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
+    with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
+    drk, dqg, daqk, dakk (bf16) and dkg, daqk_diag, dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
+    form: one of BWD_CHUNK_FORMS (default: Options.bwd_chunk_form, else the shipped one)."""
+    form = kda._pick_form("bwd_chunk_form", form, kda.BWD_CHUNK_FORMS)
+    t = _bwd_chunk_tensors(saved, dout, dtape)
+    _launch_bwd_chunk(t, form)
+    return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
+
+
+_BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s")
+
+
+def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
+    """kda_bwd_chunk's inputs (from saved, dout, dtape) and its outputs, allocated (nothing launched)."""
+    q = saved["q"]
+    if saved.get("tape") is None:
+        raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
+    T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    bf16 = dict(device=q.device, dtype=torch.bfloat16)
+    t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
+                                         "akk_inv", "beta", "tape")}
+    t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
+             drk=torch.empty(1, T, H, kda.HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, kda.HEAD_DIM, **bf16),
+             dkg=torch.empty(1, T, H, kda.HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
+             dakk=torch.empty(1, T, H, CHUNK, **bf16), daqk_diag=torch.empty(1, T, H, **f32),
+             dbeta_v=torch.empty(1, T, H, **f32),
+             dgam_s=torch.empty(C, H, kda.HEAD_DIM, **f32), scale=saved["scale"])
+    return t
+
+
+def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
+    """kda_bwd_chunk over chunks [first, end) (all by default; per-chunk tensors narrowed as in
+    _launch_chunk_stage: each chunk reads and writes its own rows)."""
+    desc = {name: kda.describe(x, name) for name, x in kda._chunk_range(t, first, end).items()}
+    registry.library("kda_bwd_chunk", form).launch(desc, t["scale"], kda.stream_of(t["dout"]))
+
+
+def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
+    """kda_bwd_gate's inputs (from saved and kda_bwd_chunk's outputs) and its outputs, allocated."""
+    q = saved["q"]
+    T, H = q.shape[1], q.shape[2]
+    t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
+    t.update({name: parts[name] for name in ("daqk", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
+    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]), scale=saved["scale"])
+    if gate_form.startswith("split"):  # each channel half writes its dbeta partial; summed after, in a fixed order
+        t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
+    else:
+        t["dbeta"] = torch.empty(1, T, H, device=q.device, dtype=torch.float32)
+    return t
+
+
+def _launch_gate(t: dict, gate_form: str):
+    desc = {name: kda.describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
+    registry.library("kda_bwd_gate", gate_form).launch(desc, t["scale"], kda.stream_of(t["q"]))
+
+
+def _gate_result(t: dict, dv, dh0) -> tuple:
+    """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run."""
+    q = t["q"]
+    dbeta = t["dbeta"] if "dbeta" in t else (t["dbeta_part"][0] + t["dbeta_part"][1]) + t["dbeta_v"][0]
+    return t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0
+
+
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
+    """Every input gradient from a forward run with save_tape=True: the backward walk
+    (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
+    Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
+    release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
+    half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
+    gate_form: one of GATE_FORMS (default: Options.gate_form, else the shipped split_staged).
+    walk: [dtape, d_initial_state] when the backward walk has run already (the replay runs it beside
+    the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it.
+    rewalk (with walk; context parallelism): segments whose walk ran from a stand-in exit-state
+    gradient and runs again here from dfinal_state's rows, into walk's rows - beside kda_bwd_chunk
+    over the other segments' chunks when fit.rewalk_beside says it hides there. Bitwise the same as
+    walking them first."""
+    gate_form = kda._pick_form("gate_form", gate_form, kda.GATE_FORMS)
+    if walk is not None:
+        dtape, dh0 = walk
+        walk.clear()
+    else:
+        dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
+    if release:
+        for name in ("qg", "o", "final_state"):
+            saved.pop(name, None)
+    if rewalk:
+        parts = _bwd_chunk_rewalk(saved, dout, dfinal_state, dtape, dh0, sorted(rewalk))
+    else:
+        parts = chunk_kda_bwd_chunk(saved, dout, dtape)
+    del dtape
+    if release:
+        for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
+            saved.pop(name, None)
+    t = _gate_tensors(saved, parts, gate_form)
+    _launch_gate(t, gate_form)
+    return _gate_result(t, parts["dv"], dh0)
+
+
+def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list) -> dict:
+    """The `rewalk` segments' backward walk again (into dtape, dh0), and kda_bwd_chunk: the walk on a
+    side stream on the SMs fit.rewalk_beside gives it, beside kda_bwd_chunk over the other segments'
+    chunks, then kda_bwd_chunk over theirs; or (no such SM count) the walk first on every SM (alone,
+    a rewalk runs on a GPU kda_bwd_chunk could fill: docs/cp.md)."""
+    q = saved["q"]
+    lengths, H = saved["chain_lengths"], q.shape[2]
+    runs = kda.segment_runs(set(rewalk), len(lengths))
+    form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
+    t = _bwd_chunk_tensors(saved, dout, dtape)
+    sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda._sm_count(q.device))
+
+    def walk_again(sm_count=None):
+        for a, b in runs:
+            chunk_kda_bwd_walk(kda.segments_view(saved, a, b), dout, dfinal_state[a:b],
+                               out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=sm_count,
+                               pool="kda_bwd_tape/rewalk")
+    if sms is None:
+        walk_again()
+        _launch_bwd_chunk(t, form)
+    else:
+        first = (0, *itertools.accumulate(lengths))
+        main = torch.cuda.current_stream(q.device)
+        side = kda._side_streams(q.device, 1, "rewalk")[0]
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side):
+                walk_again(sms)
+            for inside, a, b in fit.runs_of([s not in rewalk for s in range(len(lengths))]):
+                if inside:
+                    _launch_bwd_chunk(t, form, first[a], first[b])
+        finally:
+            main.wait_stream(side)
+        for a, b in runs:
+            _launch_bwd_chunk(t, form, first[a], first[b])
+    return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
+
+
+def replay_bytes_per_head(T: int, n_chunks: int) -> int:
+    """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
+    replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
+    token), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16, dKg, dAqk's diagonal, dbeta_v in fp32:
+    1,544 B a token), a head
+    group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
+    (128 KiB a chunk)."""
+    return T * (1280 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
+
+
+def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
+    """Split heads [0, H) into the fewest near-equal contiguous groups whose replay backward fits in
+    `available` bytes (at least one head per group). Heads are independent in every kernel, so any
+    grouping gives bitwise the same gradients. max_heads (else Options.max_heads) caps a group."""
+    cap = max(1, available // max(per_head, 1))
+    limit = max_heads if max_heads is not None else options.current().max_heads
+    if limit:
+        cap = min(cap, int(limit))
+    n = -(-H // min(cap, H))
+    bounds = [round(i * H / n) for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _available_bytes(device) -> int:
+    """Free device memory plus what torch's allocator holds but does not use, with a 15 % margin
+    for fragmentation."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(0.85 * (free + cached))
+
+
+_LAST_GROUPS: dict = {}  # (T, H, n_chunks, device) -> the grouping of the last eager call
+
+
+def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
+    """The replay backward's head groups. Under CUDA-graph capture no memory query is made: the
+    grouping of the last eager call of this shape is reused (warm up before capturing)."""
+    key = (T, H, n_chunks, torch.device(device))
+    if torch.cuda.is_current_stream_capturing():
+        return _LAST_GROUPS.get(key, [(0, H)])
+    groups = head_groups(H, replay_bytes_per_head(T, n_chunks), _available_bytes(device))
+    _LAST_GROUPS[key] = groups
+    return groups
+
+
+def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=True):
+    """The replay's two walks over a chunk stage prepared with save_tape: the forward walk (tape and
+    V', no output) and, when `dout` is given, the backward walk (dtape, d_initial_state) — which reads
+    only the chunk stage's outputs — side by side: the forward walk on a side stream, each planned on
+    half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
+    [dtape, d_initial_state] or None; dtape None for need_dtape=False, the offset walk). Bitwise the
+    same as the walks one after the other (Options.replay_overlap=False)."""
+    q = prepared["q"]
+    T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
+    # allocated here, on the current stream: the side stream only launches
+    out = {"tape": torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32),
+           "vnew": torch.empty(1, T, H, kda.HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
+    if dout is None or not options.current().replay_overlap:
+        _, _, saved = kda.chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
+                                     want_output=False)
+        walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state,
+                                                                 need_dtape=need_dtape))
+        return saved, walk
+    main = torch.cuda.current_stream(q.device)
+    side = kda._side_streams(q.device, 1, "replay")[0]
+    half = max(1, kda._sm_count(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
+    side.wait_stream(main)
+    try:
+        with torch.cuda.stream(side):
+            _, _, saved = kda.chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
+                                         want_output=False, sm_count=half)
+        walk = list(chunk_kda_bwd_walk(prepared, dout, dfinal_state, need_dtape=need_dtape, sm_count=half))
+    finally:
+        main.wait_stream(side)
+    return saved, walk
+
+
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
+    the chunk stage unless Options.pipeline is off), then the chunk-parallel backward. Bitwise the same
+    as the saved-context backward."""
+    if kda._pipeline_on():
+        saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
+    else:
+        prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
+                                     save_tape=True)
+        saved, walk = replay_walks(prepared, h0, do, dht)
+        del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
+    return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
+
+
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False):
+    """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
+    walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
+    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
+    chunk-parallel backward behind the walks too measured no gain: the replay step is
+    bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
+    segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
+    the caller walks them again anyway, with exit-state gradients it does not have yet.
+    pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),
+    first and last piece first, then the second and the last but one, ...: its forward walk goes
+    through the pieces from the front, its backward walk from the back, each piece from its neighbour's
+    end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
+    chunk stage instead of the whole chain's (CP2 Q1 contiguous: rank 0's 1,584-chunk
+    document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
+    chunk_form = kda._pick_form("chunk_form", None, kda.CHUNK_FORMS)
+    prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
+    _check_dout(do, q)
+    do = do.contiguous()  # once, not per group
+    H = q.shape[2]
+    N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
+    outs = kda._walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
+    dtape = torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
+    dh0 = torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
+    plan = replay_plan(prepared["chain_lengths"], H, kda._sm_count(q.device), pieced=pieced)
+    piece_chunks = None
+    if plan.pieces is not None:
+        bounds = plan.pieces.bounds
+        n = len(bounds) - 1
+        piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
+        fwd_handoff = torch.empty(n - 1, 1, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
+        bwd_handoff = torch.empty(n - 1, 1, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
+        produced, walked = set(), {"fwd": 0, "bwd": n - 1}  # the next piece each walk goes through
+
+    def piece_walks(i, a, streams, p, chunks):
+        """Piece p's chunk stage is queued: the walks through every piece that is ready in their order."""
+        produced.add(p)
+        while walked["fwd"] < n and walked["fwd"] in produced:
+            r = walked["fwd"]
+            run_out = {"tape": outs["tape"], "vnew": outs["vnew"]}
+            if r < n - 1:
+                run_out["final_state"] = fwd_handoff[r]
+            start = (None if h0 is None else h0[a:a + 1]) if r == 0 else fwd_handoff[r - 1]
+            with torch.cuda.stream(streams[0]):
+                kda.chunk_kda_walk(kda.piece_view(prepared, a, chunks, bounds, r), initial_state=start,
+                               output_final_state=r < n - 1, save_tape=True, out=run_out, want_output=False,
+                               sm_count=plan.sms_of("kda_fwd_tape", i),
+                               pool=f"kda_fwd_tape/replay{i}")
+            walked["fwd"] += 1
+        while a not in skip_bwd and walked["bwd"] >= 0 and walked["bwd"] in produced:
+            r = walked["bwd"]
+            end = (None if dht is None else dht[a:a + 1]) if r == n - 1 else bwd_handoff[r]
+            into = dh0[a:a + 1] if r == 0 else bwd_handoff[r - 1]
+            with torch.cuda.stream(streams[1]):
+                chunk_kda_bwd_walk(kda.piece_view(prepared, a, chunks, bounds, r), do, end,
+                                   out={"dtape": dtape, "dinitial_state": into},
+                                   sm_count=plan.sms_of("kda_bwd_tape", i),
+                                   pool=f"kda_bwd_tape/replay{i}")
+            walked["bwd"] -= 1
+
+    def walks(i, a, b, streams, piece=None):
+        if piece is not None:  # the pieced group is one segment: b == a + 1
+            return piece_walks(i, a, streams, *piece)
+        view = kda.segments_view(prepared, a, b)
+        with torch.cuda.stream(streams[0]):
+            kda.chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
+                           out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
+                           sm_count=plan.sms_of("kda_fwd_tape", i),
+                           pool=f"kda_fwd_tape/replay{i}")
+        with torch.cuda.stream(streams[1]):
+            for ra, rb in kda.segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
+                chunk_kda_bwd_walk(kda.segments_view(prepared, ra, rb), do, None if dht is None else dht[ra:rb],
+                                   out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
+                                   sm_count=plan.sms_of("kda_bwd_tape", i),
+                                   pool=f"kda_bwd_tape/replay{i}")
+    kda._pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, plan,
+               piece_chunks)
+    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
+
+
+def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+    """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs)."""
+    T, H = q.shape[1], q.shape[2]
+    tables = kda.tables_of(cu_seqlens, T, q.device)
+    groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
+    if len(groups) == 1:
+        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+             torch.empty(beta.shape, device=q.device, dtype=torch.float32),
+             None if h0 is None and dht is None else
+             torch.empty(tables.n_segments, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
+    for a, b in groups:
+        part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
+        state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
+        got = _replay_step(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
+                           cu_seqlens, scale, part(do), state(dht))
+        for full, x in zip(grads[:5], got[:5]):
+            full[:, :, a:b].copy_(x)
+        if grads[5] is not None:
+            grads[5][:, a:b].copy_(got[5])
+    return grads
