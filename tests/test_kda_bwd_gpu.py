@@ -10,6 +10,7 @@ import torch
 
 from conftest import SEED, gpu
 from kda_aot import reference
+from kda_aot.reference import chunked as ref_chunked, kda as ref_kda
 from kda_aot.schedule.kda import chunk_kda_fwd
 from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
 from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, poisoned, rel_rms, require_form, rng
@@ -83,10 +84,10 @@ def test_chunk_stage_products_match_reference():
     dgam_s = torch.zeros(len(rs["chunks"]), H, 128, dtype=torch.float64)
     q64, k64, v64, b64 = (x.double() for x in (cpu[0], cpu[1], cpu[2], cpu[4]))
     for c, (_, c0, c1) in enumerate(rs["chunks"].tolist()):
-        p = {x: reference._saved_chunk(rs, x, c0, c1)
+        p = {x: ref_chunked._saved_chunk(rs, x, c0, c1)
              for x in ("Gam", "W", "U", "v_new", "Kg", "Qg", "Aqk", "Akk_inv")}
         p["gam"] = rs["gam"][c]
-        hf = lambda x: reference._to_head_first(x, c0, c1)  # noqa: E731
+        hf = lambda x: ref_kda._to_head_first(x, c0, c1)  # noqa: E731
         r = reference.chunk_bwd(hf(q64), hf(k64), hf(v64), b64[0, c0:c1].transpose(0, 1), hf(do64),
                                 rs["S"][c], ref_tape[c], p, rs["scale"])
         L = c1 - c0

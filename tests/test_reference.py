@@ -1,4 +1,4 @@
-"""Tests of kda_aot/reference.py (CPU, fp64 unless stated).
+"""Tests of kda_aot/reference (CPU, fp64 unless stated).
 
 Inputs are fresh random every run. The run seed is printed (visible with -s or on failure)
 and each test derives its own seed from it; reproduce a run with KDA_TEST_SEED=<seed>.

@@ -1,4 +1,4 @@
-"""Tests of the explicit chunked KDA backward in kda_aot/reference.py (CPU).
+"""Tests of the explicit chunked KDA backward in kda_aot/reference/chunked.py (CPU).
 
 kda_chunked_fwd_saved + kda_chunked_bwd against autograd through kda_chunked / kda_recurrent
 (fp64, relative error max|d| / max|ref| < 1e-10), the saved tensors against chunk_prepare /
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_aot import reference as ref
+from kda_aot.reference import chunked as ref_chunked
 
 from conftest import SEED
 from reftools import cu_of, make_inputs, rand_lens, rel_err
@@ -172,8 +173,8 @@ def test_saved_matches_chunk_prepare(gen, chunk_size, g_mode):
         eye = torch.eye(C, dtype=F64)
         assert rel_err(getA("Akk_inv") @ (eye + L), eye.expand(H, C, C)) < 1e-12
         # the anchored grams (the kernels' recipe) equal the element-wise ones
-        assert rel_err(ref._gated_gram(Qc, Kc, p["Gam"], strict=False), p["Aqk"]) < 1e-12
-        assert rel_err(ref._gated_gram(Kc, Kc, p["Gam"], strict=True), G) < 1e-12
+        assert rel_err(ref_chunked._gated_gram(Qc, Kc, p["Gam"], strict=False), p["Aqk"]) < 1e-12
+        assert rel_err(ref_chunked._gated_gram(Kc, Kc, p["Gam"], strict=True), G) < 1e-12
         # the state tape: the state entering the chunk, from an independent recurrence
         if c0 == bounds[n]:
             S_exp = h0[n]

@@ -1,0 +1,193 @@
+"""The KDA reference: the token-by-token recurrence, the chunked form, one chunk's intra-chunk
+quantities, fragment summaries, and the helpers the explicit backward shares (kda_aot.reference)."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .._runtime.tensor import check_cu_seqlens
+
+G_FLOOR = -1000.0  # chunk_prepare's floor of g: exp of anything through it underflows to 0, like exp(-inf)
+
+CuSeqlens = Union[torch.Tensor, Sequence[int], None]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _bounds(cu_seqlens: CuSeqlens, T: int) -> List[int]:
+    """cu_seqlens as a validated python list (None = one document covering T)."""
+    if cu_seqlens is None:
+        return [0, T]
+    if not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor([int(c) for c in cu_seqlens], dtype=torch.int64)
+    return check_cu_seqlens(cu_seqlens, T)
+
+
+def _check_kda_shapes(q, k, v, g, beta, initial_state, n_docs):
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q must be [1, T, H, K], got {tuple(q.shape)}")
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    for name, t, shape in (("k", k, (1, T, H, K)), ("v", v, (1, T, H, V)),
+                           ("g", g, (1, T, H, K)), ("beta", beta, (1, T, H))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (n_docs, H, K, V):
+        raise ValueError(f"initial_state must be {(n_docs, H, K, V)}, "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def _decay_matrix(Gam: torch.Tensor, strict: bool) -> torch.Tensor:
+    """exp(Gam_i - Gam_j) for j < i (strict) or j <= i, zero elsewhere.  [H, C, C, K]
+
+    Formed from the difference so every kept factor is <= 1 (g <= 0): no fp32 overflow.
+    Masked entries are set to 0 *before* exp (not after), so neither the value nor its
+    gradient ever sees exp(large positive) = inf (inf * 0 would give NaN).
+    """
+    C = Gam.shape[1]
+    diff = Gam[:, :, None, :] - Gam[:, None, :, :]                 # [H, i, j, K]
+    mask = torch.ones(C, C, dtype=torch.bool, device=Gam.device)
+    mask = torch.tril(mask, diagonal=-1 if strict else 0)[None, :, :, None]
+    return torch.where(mask, torch.exp(torch.where(mask, diff, torch.zeros_like(diff))),
+                       torch.zeros_like(diff))
+
+
+def _chunk_akk(k: torch.Tensor, Gam: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """L = Akk [H, C, C]: L_ij = beta_i sum_d k_id k_jd exp(Gam_id - Gam_jd) for j < i, else 0."""
+    return beta[:, :, None] * torch.einsum("hid,hjd,hijd->hij", k, k, _decay_matrix(Gam, True))
+
+
+def chunk_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  q: Optional[torch.Tensor] = None) -> dict:
+    """Intra-chunk quantities of ONE chunk, head-first: k, g [H, C, K], v [H, C, V],
+    beta [H, C], q [H, C, K] or None. No dtype change (caller upcasts).
+
+    Returns a dict with
+        Gam   [H, C, K]  in-chunk cumsum of g         gam  [H, K]  = Gam[:, -1]
+        W     [H, C, K]  T (K * exp Gam)              U    [H, C, V]  T V
+        Kg    [H, C, K]  K * exp(gam - Gam)           (the state-update keys)
+        Aqk   [H, C, C]  tril incl. diagonal of sum_d q_id k_jd exp(Gam_id - Gam_jd)
+                         (only when q is given)
+    with T = (I + L)^-1 Diag(beta), L_ij = beta_i sum_d k_id k_jd exp(Gam_id - Gam_jd), j < i.
+    """
+    H, C, K = k.shape
+    # Summed floored at -1000: any factor through such a token is exp(<= -1000) = 0 in fp64 and fp32, as
+    # with -inf (a reset), so the chunked form is the recurrence for every g <= 0 without -inf - -inf.
+    Gam = torch.cumsum(torch.clamp(g, min=G_FLOOR), dim=1)
+    gam = Gam[:, -1, :]
+
+    L = _chunk_akk(k, Gam, beta)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device).expand(H, C, C)
+    # (I + L) X = Diag(beta) [K*exp Gam | V]  gives [W | U] in one unit-lower solve.
+    rhs = beta[:, :, None] * torch.cat([k * torch.exp(Gam), v], dim=-1)
+    WU = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)
+    out = {
+        "Gam": Gam,
+        "gam": gam,
+        "W": WU[..., :K],
+        "U": WU[..., K:],
+        "Kg": k * torch.exp(gam[:, None, :] - Gam),
+    }
+    if q is not None:
+        out["Aqk"] = torch.einsum("hid,hjd,hijd->hij", q, k, _decay_matrix(Gam, False))
+    return out
+
+
+def _to_head_first(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """[1, T, H, *] token slice [a, b) -> [H, b-a, *]."""
+    return x[0, a:b].transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- KDA
+
+def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
+                  initial_state: Optional[torch.Tensor] = None,
+                  output_final_state: bool = False,
+                  dtype: torch.dtype = torch.float64
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Token-by-token KDA recurrence. Returns (o [1, T, H, V], final_state [N, H, K, V] or None),
+    both in `dtype`. Vectorised over heads, loops over documents and tokens."""
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    cu = _bounds(cu_seqlens, T)
+    _check_kda_shapes(q, k, v, g, beta, initial_state, len(cu) - 1)
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.to(dtype)
+
+    outs, finals = [], []
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        S = (torch.zeros(H, K, V, dtype=dtype, device=q.device) if h0 is None else h0[n])
+        for t in range(a, b):
+            qt, kt, vt, gt, bt = q[0, t], k[0, t], v[0, t], g[0, t], beta[0, t]
+            S = torch.exp(gt)[:, :, None] * S                                  # Diag(exp g) S
+            # (I - b k k^T) S + b k v^T  =  S + b k (v - S^T k)^T
+            err = vt - torch.einsum("hk,hkv->hv", kt, S)
+            S = S + bt[:, None, None] * kt[:, :, None] * err[:, None, :]
+            outs.append(scale * torch.einsum("hk,hkv->hv", qt, S))
+        finals.append(S)
+    o = torch.stack(outs, dim=0)[None]                                          # [1, T, H, V]
+    return o, (torch.stack(finals, dim=0) if output_final_state else None)
+
+
+def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
+                initial_state: Optional[torch.Tensor] = None,
+                output_final_state: bool = False, chunk_size: int = 64,
+                dtype: torch.dtype = torch.float64
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Chunked KDA exactly as DESIGN.md §2. Chunks restart at every document start; a
+    document's last chunk may be short. Same arguments and results as kda_recurrent."""
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    cu = _bounds(cu_seqlens, T)
+    _check_kda_shapes(q, k, v, g, beta, initial_state, len(cu) - 1)
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.to(dtype)
+
+    outs, finals = [], []
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        S = (torch.zeros(H, K, V, dtype=dtype, device=q.device) if h0 is None else h0[n])
+        for c0 in range(a, b, chunk_size):
+            c1 = min(c0 + chunk_size, b)
+            Qc = _to_head_first(q, c0, c1)
+            Kc = _to_head_first(k, c0, c1)
+            Vc = _to_head_first(v, c0, c1)
+            Gc = _to_head_first(g, c0, c1)
+            Bc = beta[0, c0:c1].transpose(0, 1)
+            p = chunk_prepare(Kc, Vc, Gc, Bc, q=Qc)
+            Vp = p["U"] - p["W"] @ S                                            # V' = U - W S
+            Oc = scale * ((Qc * torch.exp(p["Gam"])) @ S + p["Aqk"] @ Vp)       # [H, C, V]
+            S = torch.exp(p["gam"])[:, :, None] * S + p["Kg"].transpose(1, 2) @ Vp
+            outs.append(Oc.transpose(0, 1))                                     # [C, H, V]
+        finals.append(S)
+    o = torch.cat(outs, dim=0)[None]
+    return o, (torch.stack(finals, dim=0) if output_final_state else None)
+
+
+def fragment_summary(k, v, g, beta, chunk_size: int = 64, dtype: torch.dtype = torch.float64
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Affine summary of ONE fragment (a run of tokens of one document; chunks restart at
+    the fragment start). k, g [L, H, K], v [L, H, V], beta [L, H].
+
+    Returns M [H, K, K] = A_n ... A_1 and B [H, K, V] = end state walked from zero, so that
+    S_out = M S_in + B. Per chunk A_c = Diag(exp gam) - (K*exp(gam-Gam))^T W and
+    B_c = (K*exp(gam-Gam))^T U (DESIGN.md §2).
+    """
+    Lf, H, K = k.shape
+    V = v.shape[-1]
+    k, v, g, beta = (x.to(dtype) for x in (k, v, g, beta))
+    M = torch.eye(K, dtype=dtype, device=k.device).repeat(H, 1, 1)   # empty fragment: M = I, B = 0
+    B = torch.zeros(H, K, V, dtype=dtype, device=k.device)
+    for c0 in range(0, Lf, chunk_size):
+        c1 = min(c0 + chunk_size, Lf)
+        p = chunk_prepare(k[c0:c1].transpose(0, 1), v[c0:c1].transpose(0, 1),
+                          g[c0:c1].transpose(0, 1), beta[c0:c1].transpose(0, 1))
+        KgT = p["Kg"].transpose(1, 2)
+        A = torch.diag_embed(torch.exp(p["gam"])) - KgT @ p["W"]
+        M = A @ M
+        B = A @ B + KgT @ p["U"]
+    return M, B
+
+
