@@ -7,9 +7,11 @@ when asked (KDA_AOT_TEST_RECORDS=1), to check a shipped record against another f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-# Archs we render for. The wheel is built for one of them (setup.py, KDA_AOT_ARCH).
+# The arch table: every record is rendered once per arch it lists (default: all of these); the wheel is
+# built for one of them (setup.py, KDA_AOT_ARCH). A second arch is a row here, and `archs=` on the
+# records that do not serve it.
 ARCHS = ("sm_90a",)
 
 # nvcc flags common to every kernel unit; the -gencode pair follows from the arch.
@@ -30,7 +32,8 @@ class Record:
     select: str           # when the runtime picks this form
     grid: str             # the launch grid, as a formula
     shipped: bool = True  # build.json (wheel) or build.test.json (tests only)
-    arch: str = "sm_90a"
+    archs: tuple = ARCHS  # the archs it is rendered for
+    arch: str = ""        # the one arch of a rendered record (set by the table below)
     toolkit_floor: str = "12.3"   # oldest CUDA toolkit known to compile it
     extra_flags: tuple = field(default_factory=tuple)
 
@@ -51,7 +54,7 @@ _BWD = "conv1d_silu_bwd"
 _BWD_GRID = _CONV_GRID + "; then ceil(5 * D / reduce_threads) CTAs reduce dweight/dbias over tiles"
 _VARIANT = "tests and benchmarks only: a tiling variant, bitwise equal in y/dx/dhalo to the shipped form"
 
-RECORDS: tuple[Record, ...] = (
+_RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     Record(program=_FWD, form="default",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
                    "l2norm": False},
@@ -256,6 +259,11 @@ RECORDS: tuple[Record, ...] = (
                    "reduce_threads": 128, "l2norm": False},
            select=_VARIANT + " (dweight/dbias differ in summation order only)", grid=_BWD_GRID, shipped=False),
 )
+
+
+# Records x archs: one rendered record per (record, arch it lists).
+RECORDS: tuple[Record, ...] = tuple(replace(r, arch=a) for r in _RECORDS_BY_PROGRAM for a in r.archs)
+assert all(r.arch in ARCHS for r in RECORDS), "a record lists an arch outside ARCHS"
 
 
 def records(arch: str | None = None) -> list[Record]:
