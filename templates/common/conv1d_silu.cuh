@@ -131,7 +131,7 @@ __device__ __forceinline__ void warp_sums(float (&a)[N]) {
 
 // 1 / sqrt(head sum + eps), the hardware reciprocal square root (a couple of ulp in fp32, far below the bf16
 // rounding of y and dx): the IEEE sqrt and division it replaced cost ~40 instructions a row in every lane
-// (session 10). The forward and backward forms both take it from here, so the backward's r is the forward's.
+// (docs/conv.md). The forward and backward forms both take it from here, so the backward's r is the forward's.
 __device__ __forceinline__ float norm_rstd(float head_sum, float eps) { return rsqrtf(head_sum + eps); }
 
 // norm_rstd of the head's sum of y^2: this lane's C channels, then the warp's (C * 32 = 128 channels).

@@ -13,7 +13,7 @@ constexpr int kMaxHeads = 64;
 // The gate's floor: every program sums max(g, -kGateFloor) (so g = -inf, a reset, is finite there).
 // A token below it keeps e^-20 ~ 2e-9 of the state instead of less: below bf16's resolution of every
 // output; its dg is zero (the floor's derivative). 20 keeps the diagonal 8-row pieces' factors within
-// e^(4 x 20) (bench/NOTES.md, numerics).
+// e^(4 x 20) (docs/numerics.md).
 constexpr float kGateFloor = 20.f;
 
 struct KdaFwdArgs {

@@ -4,7 +4,7 @@
 // Why: a warpgroup reads its B tile from shared memory once for all of its 64 rows, where eight
 // mma.sync warps (16 rows each) read it once per warp, and one instruction replaces a warp's eight
 // mma.sync and their ldmatrix (the walks' step is bound by its memory instructions, not by these
-// reads: bench/NOTES.md, session 7).
+// reads: docs/forward.md).
 //
 // Register layouts (PTX ISA, wgmma .m64nNk16): warp w of the warpgroup owns rows 16 w .. 16 w + 15;
 // its A fragment is that of mma.m16n8k16 (kda::ldsm_a), its accumulator d[j][0..3] that of the
