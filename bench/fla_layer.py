@@ -1,0 +1,144 @@
+"""FLA's KimiDeltaAttention layer (flash-linear-attention 0.6.0, mode="chunk") on a pack, one training step
+with FLA's own kernels against the same layer with kda_aot as FLA's chunk_kda backend (`import kda_aot.fla`,
+switched per arm with FLA's FLA_KDA_AOT), side by side in one process.
+
+    python -m bench.fla_layer [--pack Q1] [--hidden 4096] [--heads 32] [--iters 10] [--out DIR]
+
+Rows (suite "fla_layer", arm "fla" / "kda_aot"): boundary "layer" (the whole layer's forward + backward)
+and "kda" (the chunk_kda call inside it, forward + backward, on the inputs the layer gives it), medians of
+interleaved CUDA-event timings; plus one row "agreement" with the relative RMS distance between the arms'
+layer outputs and every parameter gradient. Needs flash-linear-attention and einops (carry their wheels in
+.whl); FLA's layers package is imported without its __init__, which pulls in every layer (and transformers).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from bench.common import row, write_rows
+from bench.packs import PACKS
+
+ARMS = ("fla", "kda_aot")
+
+
+def kda_layer_class():
+    """fla.layers.kda.KimiDeltaAttention, importing only the modules it needs."""
+    import fla
+    if "fla.layers" not in sys.modules:
+        pkg = types.ModuleType("fla.layers")
+        pkg.__path__ = [str(Path(fla.__file__).parent / "layers")]
+        sys.modules["fla.layers"] = pkg
+    from fla.layers.kda import KimiDeltaAttention
+    return KimiDeltaAttention
+
+
+def switch(arm: str):
+    os.environ["FLA_KDA_AOT"] = "1" if arm == "kda_aot" else "0"
+
+
+def rel_rms(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def capture_kda_call(layer_module):
+    """Wrap the layer module's chunk_kda to keep the last call's arguments (to time that call alone)."""
+    inner = layer_module.chunk_kda
+    seen = {}
+
+    def wrapped(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return inner(*args, **kwargs)
+    layer_module.chunk_kda = wrapped
+    return seen
+
+
+def timed(fn, iters):
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pack", default="Q1")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import kda_aot.fla  # noqa: F401  (registers the backend)
+    import fla.layers.kda as layer_module
+    KimiDeltaAttention = kda_layer_class()
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(hidden_size=a.hidden, head_dim=128, num_heads=a.heads, mode="chunk").cuda()
+    layer = layer.to(torch.bfloat16)
+    lens = PACKS[a.pack]
+    T = sum(lens)
+    cu = torch.tensor([0] + list(lens), device="cuda").cumsum(0)
+    x = torch.randn(1, T, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, T, a.hidden, device="cuda", dtype=torch.bfloat16)
+    seen = capture_kda_call(layer_module)
+
+    def layer_step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x, cu_seqlens=cu)[0]
+        y.backward(dy)
+        return y
+
+    results, calls = {}, {}
+    for arm in ARMS:  # one step each: outputs, gradients, the chunk_kda call's inputs
+        switch(arm)
+        y = layer_step()
+        results[arm] = {"y": y.detach().clone(), "dx": x.grad.clone(),
+                        **{n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}}
+        calls[arm] = (seen["args"], dict(seen["kwargs"]))
+
+    def kda_step(arm):
+        """The layer's chunk_kda call alone, forward + backward, on the inputs the layer gave it in this arm."""
+        args, kwargs = calls[arm]
+        kw = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                  and k in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") else v) for k, v in kwargs.items()}
+
+        def run():
+            switch(arm)
+            o, _ = layer_module.chunk_kda(*args, **kw)
+            o.backward(torch.ones_like(o))
+        return run
+
+    runs = {(arm, "layer"): (lambda arm=arm: (switch(arm), layer_step())) for arm in ARMS}
+    runs.update({(arm, "kda"): kda_step(arm) for arm in ARMS})
+    for fn in runs.values():  # warm-up (FLA's autotuning)
+        fn()
+    times = {key: [] for key in runs}
+    for i in range(a.iters):
+        for key in (list(runs) if i % 2 == 0 else list(reversed(list(runs)))):
+            times[key].append(timed(runs[key], 1))
+    torch.cuda.synchronize()
+    base = row("fla_layer", pack=a.pack, heads=a.heads, hidden=a.hidden)
+    rows = [dict(base, arm=arm, boundary=boundary, ms=round(statistics.median(ts), 3))
+            for (arm, boundary), ts in times.items()]
+    for boundary in ("layer", "kda"):
+        ms = {r["arm"]: r["ms"] for r in rows if r["boundary"] == boundary}
+        rows.append(dict(base, arm="ratio_fla_over_kda_aot", boundary=boundary, ratio=round(ms["fla"] / ms["kda_aot"], 3)))
+    agreement = {n: rel_rms(results["kda_aot"][n], results["fla"][n]) for n in results["fla"]}
+    rows.append(dict(base, arm="agreement", boundary="layer", rel_rms_kda_aot_vs_fla=agreement))
+    for r in rows:
+        print(r, flush=True)
+    write_rows(rows, "fla_layer", a.out)
+
+
+if __name__ == "__main__":
+    main()
