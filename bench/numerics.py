@@ -51,17 +51,21 @@ def pack(seed: int) -> list:
     return [lens[i] for i in torch.randperm(len(lens), generator=gen).tolist()]
 
 
-def gate(kind: str, shape, gen) -> torch.Tensor:
-    u = torch.rand(shape, device="cuda", generator=gen)
+def gate(kind: str, shape, gen, reset_rate: float = 0.03, dtype=torch.float32) -> torch.Tensor:
+    """Issue 21's gates on gen's device: zero, const-C, unif-C (C * uniform [0, 1)), ninf (g in [-5, 0] with a
+    quarter of the channels reset, g = -inf, at reset_rate of the tokens). The GPU tests and the CP tests
+    draw theirs here too."""
+    dev = dict(device=gen.device, dtype=dtype)
+    u = torch.rand(shape, generator=gen, **dev)
     if kind == "zero":
-        return torch.zeros(shape, device="cuda")
+        return torch.zeros(shape, **dev)
     if kind.startswith("const"):
-        return torch.full(shape, float(kind[5:]), device="cuda")
+        return torch.full(shape, float(kind[5:]), **dev)
     if kind.startswith("unif"):
         return float(kind[4:]) * u
-    if kind == "ninf":  # g in [-5, 0], a quarter of the channels reset (-inf) at ~3 % of the tokens
+    if kind == "ninf":
         g = -5.0 * u
-        hit = torch.rand(shape[:-1] + (shape[-1] // 4,), device="cuda", generator=gen) < 0.03
+        hit = torch.rand(shape[:-1] + (shape[-1] // 4,), generator=gen, **dev) < reset_rate
         g[..., ::4] = torch.where(hit, torch.full_like(g[..., ::4], float("-inf")), g[..., ::4])
         return g
     raise ValueError(kind)

@@ -34,3 +34,23 @@ def make_inputs(gen, lens, H, K, V, g_mode="rand", init=False, dtype=F64):
     beta = 0.01 + 0.98 * torch.rand(1, T, H, generator=gen, dtype=dtype)
     h0 = torch.randn(len(lens), H, K, V, generator=gen, dtype=dtype) if init else None
     return q, k, v, g, beta, h0
+
+
+def fla_gate(g, A_log, dt_bias, lower_bound=None):
+    """FLA 0.6.0's gate activation written out (independently of kda_aot.ops.gate): g, dt_bias [.., HV, K],
+    A_log [HV]."""
+    HV, K = g.shape[-2], g.shape[-1]
+    raw = g + dt_bias.view(HV, K)
+    if lower_bound is None:
+        return -A_log.exp().view(HV, 1) * F.softplus(raw)
+    return lower_bound * torch.sigmoid(A_log.exp().view(HV, 1) * raw)
+
+
+def fla_beta(b, allow_neg_eigval=False):
+    """FLA's beta from its logits: sigmoid, times 2 with allow_neg_eigval."""
+    return (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(b)
+
+
+def fla_heads(x, value_heads):
+    """q or k [.., H, K] per value head (value head j reads head j // (HV / H))."""
+    return x[:, :, torch.arange(value_heads) // (value_heads // x.shape[2])]

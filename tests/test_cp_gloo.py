@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
 from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
+from bench.numerics import gate as numerics_gate  # noqa: E402
+from reftools import fla_beta, fla_gate, fla_heads  # noqa: E402
 
 try:
     from conftest import SEED
@@ -105,22 +107,8 @@ def gen_for(*key):
 
 # ----------------------------------------------------------------------------- inputs / expected
 
-def strong_gate(kind, shape, gen):
-    """Issue 21's strong decays: constant -30, uniform in [-60, 0], and g in [-5, 0] with a quarter of
-    the channels reset (g = -inf) at 5 % of the tokens."""
-    u = torch.rand(shape, generator=gen, dtype=torch.float64)
-    if kind == "const-30":
-        return torch.full(shape, -30.0, dtype=torch.float64)
-    if kind == "unif-60":
-        return -60.0 * u
-    if kind == "ninf":
-        g = -5.0 * u
-        hit = torch.rand(shape[:-1] + (shape[-1] // 4,), generator=gen, dtype=torch.float64) < 0.05
-        g[..., ::4] = torch.where(hit, torch.full_like(g[..., ::4], float("-inf")), g[..., ::4])
-        return g
-    raise ValueError(kind)
-
-
+# Issue 21's strong decays (bench.numerics.gate): constant -30, uniform in [-60, 0], and g in [-5, 0] with a
+# quarter of the channels reset (g = -inf) at 5 % of the tokens.
 STRONG_GATES = ("const-30", "unif-60", "ninf")
 STRONG_PACKS = {2: "mixed", 3: "random"}   # every layout, both modes, each strong gate
 
@@ -137,7 +125,7 @@ def kda_inputs(pack, dtype, gate="log-uniform"):
          "k": F.normalize(torch.randn(1, n, H, K, generator=gen, dtype=f64), dim=-1),
          "v": torch.randn(1, n, H, K, generator=gen, dtype=f64),
          "g": (-torch.exp(torch.empty(1, n, H, K, dtype=f64).uniform_(-5, 1.6, generator=gen))
-               if gate == "log-uniform" else strong_gate(gate, (1, n, H, K), gen)),
+               if gate == "log-uniform" else numerics_gate(gate, (1, n, H, K), gen, 0.05, f64)),
          "beta": 0.01 + 0.98 * torch.rand(1, n, H, generator=gen, dtype=f64),
          "h0": torch.randn(len(PACKS[pack]), H, K, K, generator=gen, dtype=f64),
          "wo": torch.randn(1, n, H, K, generator=gen, dtype=f64),
@@ -171,14 +159,9 @@ def fla_expected(pack, kind):
     x, cfg = fla_inputs(pack), FLA_CASES[kind]
     leaves = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0", "A_log", "dt_bias")}
     HV = x["v"].shape[2]
-    idx = torch.arange(HV) // (HV // H)
-    raw = leaves["g"] + leaves["dt_bias"].view(HV, K)
-    if cfg["lower_bound"] is None:
-        g = -leaves["A_log"].exp().view(HV, 1) * F.softplus(raw)
-    else:
-        g = cfg["lower_bound"] * torch.sigmoid(leaves["A_log"].exp().view(HV, 1) * raw)
-    beta = (2.0 if cfg["allow_neg_eigval"] else 1.0) * torch.sigmoid(leaves["beta"])
-    o, s = reference.kda_chunked(leaves["q"][:, :, idx], leaves["k"][:, :, idx], leaves["v"], g, beta,
+    g = fla_gate(leaves["g"], leaves["A_log"], leaves["dt_bias"], cfg["lower_bound"])
+    beta = fla_beta(leaves["beta"], cfg["allow_neg_eigval"])
+    o, s = reference.kda_chunked(fla_heads(leaves["q"], HV), fla_heads(leaves["k"], HV), leaves["v"], g, beta,
                                  cu_seqlens=cu_of(PACKS[pack]), initial_state=leaves["h0"], output_final_state=True,
                                  dtype=torch.float64)
     ((o * x["wo"].double()).sum() + (s * x["ws"].double()).sum()).backward()

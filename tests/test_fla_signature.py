@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kda_aot
 from kda_aot import reference
@@ -16,6 +15,7 @@ from kda_aot.ops import chunk_kda as op
 from kda_aot.ops.norm import L2NORM_EPS, l2norm_torch
 
 from conftest import SEED
+from reftools import fla_beta, fla_gate, fla_heads
 
 FLA_PARAMETERS = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
                   "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
@@ -70,19 +70,14 @@ def inputs(lens, H, HV, seed):
 
 def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
     """FLA's formulas, independently: l2norm, the gate, sigmoid beta, GVA by head index, V-first states."""
-    H, HV = x["q"].shape[2], x["v"].shape[2]
+    HV = x["v"].shape[2]
     leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
     q, k = leaves["q"], leaves["k"]
     if l2:
         q, k = l2norm_as_the_kernel(q), l2norm_as_the_kernel(k)
-    idx = torch.arange(HV) // (HV // H)
-    q, k = q[:, :, idx], k[:, :, idx]
-    raw = leaves["g"] + leaves["dt_bias"].view(HV, D)
-    if lower_bound is None:
-        g = -leaves["A_log"].exp().view(HV, 1) * F.softplus(raw)
-    else:
-        g = lower_bound * torch.sigmoid(leaves["A_log"].exp().view(HV, 1) * raw)
-    beta = (2.0 if neg else 1.0) * torch.sigmoid(leaves["b"])
+    q, k = fla_heads(q, HV), fla_heads(k, HV)
+    g = fla_gate(leaves["g"], leaves["A_log"], leaves["dt_bias"], lower_bound)
+    beta = fla_beta(leaves["b"], neg)
     beta = beta + (beta.to(torch.bfloat16).double() - beta).detach()  # the kernels' bf16 beta, gradient kept
     h0 = leaves["h0"].transpose(-1, -2) if v_first else leaves["h0"]
     o, s = reference.kda_chunked(q, k, leaves["v"], g, beta, cu_seqlens=x["cu"].tolist(), initial_state=h0,

@@ -16,6 +16,7 @@ from conftest import gpu
 from test_kda_fwd_gpu import make, rel_rms, rng
 from kda_aot import reference
 from kda_aot import chunk_kda
+from bench.numerics import gate
 
 pytestmark = gpu
 REL = 1e-2
@@ -23,20 +24,6 @@ BOUND = {"dbeta": 5e-2}  # heavy-tailed where its terms cancel (tests/test_kda_b
 LENS = [1, 63, 64, 65, 1000, 37]
 GATES = ["const-12", "const-30", "const-10000", "unif-20", "unif-60", "ninf", "zero", "unif-5", "const-8"]
 BELOW_FLOOR = ("const-30", "const-10000")  # every g below the floor: dg and dh0 relative errors unbounded
-
-
-def gate(kind, shape, gen):
-    u = torch.rand(shape, device="cuda", generator=gen)
-    if kind == "zero":
-        return torch.zeros(shape, device="cuda")
-    if kind.startswith("const"):
-        return torch.full(shape, float(kind[5:]), device="cuda")
-    if kind.startswith("unif"):
-        return float(kind[4:]) * u
-    g = -5.0 * u  # ninf: a quarter of the channels reset at ~3 % of the tokens
-    hit = torch.rand(shape[:-1] + (shape[-1] // 4,), device="cuda", generator=gen) < 0.03
-    g[..., ::4] = torch.where(hit, torch.full_like(g[..., ::4], float("-inf")), g[..., ::4])
-    return g
 
 
 def case(kind, H, init, beta_max, tag):

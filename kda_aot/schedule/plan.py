@@ -12,6 +12,8 @@ plan only puts them in one place and in launch order.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -46,15 +48,17 @@ class PipelinePlan:
     def sms_of(self, program: str, group: int) -> int:
         return dict(self.walk_sms)[program][group]
 
+    @functools.cached_property
+    def first_chunks(self) -> Tuple[int, ...]:
+        """Each segment's first chunk, and the chunk count last."""
+        return (0, *itertools.accumulate(self.chain_lengths))
+
     def chunk_range(self, group: int, piece: Optional[int] = None) -> Tuple[int, int]:
         """The chunk range [c0, c1) a launch's chunk stage covers."""
         if piece is not None:
             return self.pieces.bounds[piece], self.pieces.bounds[piece + 1]
-        starts = [0]
-        for n in self.chain_lengths:
-            starts.append(starts[-1] + n)
         a, b = self.groups[group]
-        return starts[a], starts[b]
+        return self.first_chunks[a], self.first_chunks[b]
 
     def explain(self) -> str:
         head = (f"{self.kind} plan: {len(self.chain_lengths)} segments of {list(self.chain_lengths)} chunks, "
