@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script (python3 bench/numerics.py): the checkout, for bench and kda_aot
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import commit  # noqa: E402
 from kda_aot import chunk_kda, reference  # noqa: E402
 
