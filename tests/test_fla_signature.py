@@ -78,7 +78,10 @@ def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
     q, k = fla_heads(q, HV), fla_heads(k, HV)
     g = fla_gate(leaves["g"], leaves["A_log"], leaves["dt_bias"], lower_bound)
     beta = fla_beta(leaves["b"], neg)
-    beta = beta + (beta.to(torch.bfloat16).double() - beta).detach()  # the kernels' bf16 beta, gradient kept
+    # the kernels' bf16 beta, rounded from its fp32 sigmoid as ours is (an fp64 sigmoid can round to the
+    # neighbouring bf16 value), with the fp64 gradient
+    rounded = fla_beta(x["b"].float(), neg).to(torch.bfloat16).double()
+    beta = beta + (rounded - beta).detach()
     h0 = leaves["h0"].transpose(-1, -2) if v_first else leaves["h0"]
     o, s = reference.kda_chunked(q, k, leaves["v"], g, beta, cu_seqlens=x["cu"].tolist(), initial_state=h0,
                                  output_final_state=True, dtype=torch.float64)
