@@ -82,6 +82,41 @@ def test_chunked_backward_matches_autograd_with_resets(gen):
         assert torch.isfinite(x).all() and rel_err(x, leaf.grad) < 1e-8, f"seed {SEED}"
 
 
+@pytest.mark.parametrize("first", [-30.0, -1e4, float("-inf"), -5.0])
+def test_entering_decay_makes_a_floored_gate_exact_for_the_initial_state(gen, first):
+    """The kernels floor g at kda.GATE_FLOOR; the op multiplies the initial state (and its gradient) by
+    kda.entering_decay of each document's first token. With g floored the same way, the recurrence
+    then gives the unfloored dh0 and o to ~e^-20 relative (without the factor, dh0 was e^(-20 - g)
+    too large where the first g is below the floor), and leaves everything unchanged above the floor."""
+    from kda_aot.schedule.kda import GATE_FLOOR, entering_decay
+    lens = [5, 70, 1]
+    q, k, v, g, beta, h0 = make_inputs(gen, lens, 2, 16, 16, "rand", True)
+    g = g - 25.0 * torch.rand(g.shape, generator=gen, dtype=F64)  # many tokens below the floor
+    starts = cu_of(lens)[:-1]
+    g[0, starts] = first
+    do = torch.randn(q.shape[:-1] + (16,), generator=gen, dtype=F64)
+
+    def step(g_used, decay):
+        h = h0.clone().requires_grad_()
+        o, ht = ref.kda_recurrent(q, k, v, g_used, beta, cu_seqlens=cu_of(lens),
+                                  initial_state=h * decay, output_final_state=True)
+        (o * do).sum().backward()
+        return o, ht, h.grad
+
+    exact = step(g, 1.0)
+    floored = torch.clamp(g, min=GATE_FLOOR)
+    decay = entering_decay(g[0, starts])
+    assert decay.shape == (len(lens), 2, 16, 1) and decay.dtype == torch.float32
+    got = step(floored, decay.double())
+    for name, a, b in zip(("o", "final_state", "dh0"), got, exact):
+        assert torch.isfinite(a).all()
+        assert rel_err(a, b) < 1e-6 if b.norm() > 0 else torch.equal(a, b), f"{name} seed {SEED}"
+    if first == -5.0:
+        assert torch.equal(decay, torch.ones_like(decay))
+    else:
+        assert rel_err(step(floored, 1.0)[2], exact[2]) > 1.0  # the floor alone: dh0 wrong
+
+
 @pytest.mark.parametrize("g_mode", ["rand", "mild"])
 @pytest.mark.parametrize("K,V,H,chunk_size", [(32, 24, 2, 64), (24, 40, 1, 4), (128, 128, 2, 64)])
 def test_chunked_matches_recurrent_shapes(gen, K, V, H, chunk_size, g_mode):

@@ -16,6 +16,8 @@ states:
     backward(ctx, do, dfinals)                -> (dq, dk, dv, dg, dbeta, dstates), state_dtype
         the local backward from (do, the gradient of each segment's exit state); may be called
         more than once on one ctx.
+    gate_floor                                the floor under g of its programs (the initial state's
+                                              factor, kda_aot.schedule.kda.entering_decay)
     state_grads(ctx, do, dfinals)             -> dstates [n, H, K, V], state_dtype (optional)
         backward's dstates alone, bitwise the same; what the op needs before the exchange (with
         dS_out = 0). A backend without it gets backward(...)[5].
@@ -48,6 +50,7 @@ import torch
 
 from .. import options, reference
 from .._runtime.tensor import host_table_to
+from ..schedule.kda import GATE_FLOOR
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -63,6 +66,8 @@ class ReferenceBackend:
             raise ValueError(f"ReferenceBackend: dtype must be float32 or float64, got {dtype}")
         self.dtype = dtype
         self.chunk_size = chunk_size
+
+    gate_floor = reference.G_FLOOR
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -103,6 +108,7 @@ class CudaBackend:
     name = "cuda"
     spec = "cuda"
     state_dtype = torch.float32
+    gate_floor = GATE_FLOOR
 
     def __repr__(self):
         return "CudaBackend()"
@@ -269,7 +275,7 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
             return CudaBackend()
         raise ValueError(f"unknown backend {backend!r}: valid backends are 'auto', 'reference', 'cuda' "
                          f"(or a backend object, see kda_aot.cp.backends)")
-    for attr in ("summary", "forward", "backward", "state_dtype", "name"):
+    for attr in ("summary", "forward", "backward", "state_dtype", "gate_floor", "name"):
         if not hasattr(backend, attr):
             raise TypeError(f"backend object {backend!r} lacks {attr!r} (see kda_aot.cp.backends)")
     return backend

@@ -30,6 +30,7 @@ import torch
 from .. import options
 from ..ops.gate import activate, expand_heads
 from .._runtime.packing import PLANNED_FROM_HOST
+from ..schedule import kda
 from . import keys
 from .backends import backend_name, get_backend
 from .exchange import check_agreement, exchange, resolve_group
@@ -176,6 +177,12 @@ class _Context:
         object.__setattr__(self, name, keys.detached(value))
 
 
+def entering_decay(g, plan: CPPlan, f, backend) -> torch.Tensor:
+    """kda_aot.schedule.kda.entering_decay of the first token of fragment f (one that starts its
+    document here) under the backend's gate floor: the initial state's factor and its gradient's."""
+    return kda.entering_decay(g[0, plan.local_cu_seqlens[f.segment]], backend.gate_floor)
+
+
 def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):
     """The CP forward (collective): (o, final_state or [0]); fills ctx for _cp_backward."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the kernels read them densely
@@ -188,7 +195,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
 
     def known_state(f):  # the entering state of a fragment that starts its document here
         return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
-                else initial_state[f.doc].to(sd))
+                else initial_state[f.doc].to(sd) * entering_decay(g, plan, f, backend))
 
     def entering_states(prepared, finals=None):
         """Steps 1-2: what the others wait for ((M, B) of middle fragments, exit states of first
@@ -209,8 +216,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
                     items[f.index] = finals[f.segment]
                 else:
                     M, B = summaries[f.index]
-                    S0 = None if initial_state is None else initial_state[f.doc]
-                    items[f.index] = exit_state(M, B, S0)
+                    items[f.index] = exit_state(M, B, None if initial_state is None else known_state(f))
         with _Phase("fwd exchange", q.device):
             published = exchange(plan, group, forward_payload_size(H, K, V), items, sd, like=q)
         return compose_entering_states(plan, published, H, K, V, local), M_local
@@ -267,6 +273,8 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
                initial_state is not None)
     ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
     ctx.h0_dtype = None if initial_state is None else initial_state.dtype
+    ctx.decays = ({} if initial_state is None else
+                  {f.segment: entering_decay(g, plan, f, backend) for f in local if f.position == 0})
     if mode == "saved":
         ctx.lctx, ctx.M_local = lctx, M_local
         ctx.save_for_backward(states)
@@ -370,7 +378,7 @@ def _cp_backward(ctx, do, dfinal):
         dh0 = torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
         for f in local:
             if f.position == 0:
-                dh0[f.doc] = final_pass[5][f.segment].to(ctx.h0_dtype)
+                dh0[f.doc] = (final_pass[5][f.segment] * ctx.decays[f.segment]).to(ctx.h0_dtype)
     return (*grads, dh0)
 
 

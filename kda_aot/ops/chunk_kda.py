@@ -49,6 +49,16 @@ def _no_state(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
+def _entering(h0: Optional[Tensor], g: Tensor, tables):
+    """The segments' initial states as the programs take them (with the first token's decay below the
+    gate floor applied here: kda.entering_decay) and that factor, which their gradient takes too;
+    (None, None) without an initial state."""
+    if h0 is None:
+        return None, None
+    decay = kda.entering_decay(kda.first_tokens(g, tables))
+    return tables.segment_rows(h0) * decay, decay
+
+
 # ------------------------------------------------------------------------------------ forward
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save):
@@ -73,7 +83,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
             final = h0.clone() if h0 is not None else final.zero_()
         return (o, final, *(x.zero_() for x in context))
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
-                                        initial_state=tables.segment_rows(h0),
+                                        initial_state=_entering(h0, g, tables)[0],
                                         output_final_state=output_final_state, save_tape=save, out=out)
     if final is not None:
         final = tables.document_rows(final, h0)
@@ -125,12 +135,12 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
 
 # ----------------------------------------------------------------------------------- backward
 
-def _backward_result(q, beta, tables, grads, initial_state, dfinal_state):
+def _backward_result(q, beta, tables, grads, decay, dfinal_state):
     dq, dk, dv, dg, dbeta, dh0 = grads
-    if initial_state is None:
+    if decay is None:
         dh0 = _no_state(q)
     else:
-        dh0 = tables.document_rows(dh0, dfinal_state)
+        dh0 = tables.document_rows(dh0 * decay, dfinal_state)
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
 
 
@@ -155,9 +165,9 @@ def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
     if tables.n_segments == 0:
         return _empty_backward(q, k, v, g, beta, tables, h0, dht)
-    grads = kda_backward.replay_backward(q, k, v, g, beta, tables.segment_rows(h0), tables, scale, do,
-                                tables.segment_rows(dht))
-    return _backward_result(q, beta, tables, grads, h0, dht)
+    h0, decay = _entering(h0, g, tables)
+    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht))
+    return _backward_result(q, beta, tables, grads, decay, dht)
 
 
 def _fake_backward(q, k, v, g, beta, initial_state):
@@ -189,7 +199,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
                  chain_lengths=tables.chain_lengths, scale=scale)
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
-    return _backward_result(q, beta, tables, grads, h0, dht)
+    return _backward_result(q, beta, tables, grads, _entering(h0, g, tables)[1], dht)
 
 
 @chunk_kda_bwd_saved_op.register_fake

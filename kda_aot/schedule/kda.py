@@ -23,6 +23,21 @@ from .._runtime.packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
 MAX_HEADS = 64
+GATE_FLOOR = -20.0  # every program sums max(g, GATE_FLOOR) (templates/common/kda.h kGateFloor)
+
+
+def entering_decay(g_first: torch.Tensor, floor: float = GATE_FLOOR) -> torch.Tensor:
+    """e^(g - max(g, floor)) of each document's first token, [..., K] -> [..., K, 1] fp32: the part of
+    its decay that a program flooring g at `floor` leaves out. An initial state multiplied by it
+    enters the programs exactly (S_1 = (I - b k k^T) e^g h0 for any g), and its gradient is the
+    programs' times it: dh0 is then as accurate below the floor as above (it is e^g-small there, so
+    the floor alone made its relative error e^(floor - g))."""
+    return torch.exp(torch.clamp(g_first.float() - floor, max=0.0)).unsqueeze(-1)
+
+
+def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
+    """g [1, T, H, K] at each segment's first token: [n_segments, H, K]."""
+    return g[0].index_select(0, tables.cu[:-1])
 
 
 def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
