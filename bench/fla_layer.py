@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -25,6 +26,11 @@ from bench.common import row, write_rows
 from bench.packs import PACKS
 
 ARMS = ("fla", "kda_aot")
+_T0 = time.time()
+
+
+def progress(what: str):
+    print(f"[{time.time() - _T0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def kda_layer_class():
@@ -101,6 +107,7 @@ def main(argv=None):
     results, calls = {}, {}
     for arm in ARMS:  # one step each: outputs, gradients, the chunk_kda call's inputs
         switch(arm)
+        progress(f"first step, {arm} (FLA's autotuning)")
         y = layer_step()
         results[arm] = {"y": y.detach().clone(), "dx": x.grad.clone(),
                         **{n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}}
@@ -120,8 +127,10 @@ def main(argv=None):
 
     runs = {(arm, "layer"): (lambda arm=arm: (switch(arm), layer_step())) for arm in ARMS}
     runs.update({(arm, "kda"): kda_step(arm) for arm in ARMS})
-    for fn in runs.values():  # warm-up (FLA's autotuning)
+    for key, fn in runs.items():  # warm-up (FLA's autotuning)
+        progress(f"warm-up {key}")
         fn()
+    progress("timing")
     times = {key: [] for key in runs}
     for i in range(a.iters):
         for key in (list(runs) if i % 2 == 0 else list(reversed(list(runs)))):

@@ -240,6 +240,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="H = 4 cases with beta in [0, 1) and no initial state only")
+    ap.add_argument("--init-only", action="store_true", help="the cases with an initial state only (dh0)")
     ap.add_argument("--timing", action="store_true")
     ap.add_argument("--only-timing", action="store_true", help="the timings alone (no cases)")
     ap.add_argument("--no-fla", action="store_true")
@@ -256,7 +257,8 @@ def main(argv=None):
     lens_by_h = {4: pack(a.seed), 32: pack(a.seed + 1)}
     print(f"fla: {'yes' if fla is not None else 'not installed'}; packs {lens_by_h}", flush=True)
     print(f"{'case':34s} {'arm':20s} " + " ".join(f"{n:>9s}" for n in OUTPUTS), flush=True)
-    todo = [] if a.only_timing else [c for h in a.heads for c in enumerate(cases(a.quick)) if c[1][1] == h]
+    todo = [] if a.only_timing else [c for h in a.heads for c in enumerate(cases(a.quick))
+                                     if c[1][1] == h and (c[1][4] or not a.init_only)]
     for i, (name, H, kind, beta_max, init) in todo:
         t_case = time.time()
         x = make_case(lens_by_h[H], H, kind, beta_max, init, a.seed * 1000 + i)
