@@ -53,15 +53,29 @@ def rel_rms(a, b):
 
 
 def capture_kda_call(layer_module):
-    """Wrap the layer module's chunk_kda to keep the last call's arguments (to time that call alone)."""
+    """Wrap the layer module's chunk_kda to keep a call's arguments while seen["on"] (to time that call
+    alone); off, it keeps nothing (the arguments would outlive the step)."""
     inner = layer_module.chunk_kda
-    seen = {}
+    seen = {"on": False}
 
     def wrapped(*args, **kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
+        if seen["on"]:
+            seen["args"], seen["kwargs"] = args, kwargs
         return inner(*args, **kwargs)
     layer_module.chunk_kda = wrapped
     return seen
+
+
+def count_kda_aot_calls():
+    """Count the calls FLA's dispatch hands to kda_aot (its backend calls kda_aot.fla.chunk_kda)."""
+    import kda_aot.fla as backend
+    inner, count = backend.chunk_kda, {"n": 0}
+
+    def counted(*args, **kwargs):
+        count["n"] += 1
+        return inner(*args, **kwargs)
+    backend.chunk_kda = counted
+    return count
 
 
 def timed(fn, iters):
@@ -96,6 +110,7 @@ def main(argv=None):
     x = torch.randn(1, T, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(1, T, a.hidden, device="cuda", dtype=torch.bfloat16)
     seen = capture_kda_call(layer_module)
+    dispatched = count_kda_aot_calls()
 
     def layer_step():
         layer.zero_grad(set_to_none=True)
@@ -104,23 +119,40 @@ def main(argv=None):
         y.backward(dy)
         return y
 
-    results, calls = {}, {}
-    for arm in ARMS:  # one step each: outputs, gradients, the chunk_kda call's inputs
+    # One step each: outputs and gradients (FLA's kept on the host while the other arm runs: a Q1
+    # layer step alone peaks near 100 GB), and the dispatch checked both ways.
+    fla_result, agreement = None, {}
+    for arm in ARMS:
         switch(arm)
         progress(f"first step, {arm} (FLA's autotuning)")
+        before = dispatched["n"]
+        seen["on"] = arm == "kda_aot"
         y = layer_step()
-        results[arm] = {"y": y.detach().clone(), "dx": x.grad.clone(),
-                        **{n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}}
-        calls[arm] = (seen["args"], dict(seen["kwargs"]))
+        seen["on"] = False
+        went = dispatched["n"] - before
+        if went != (1 if arm == "kda_aot" else 0):
+            raise SystemExit(f"arm {arm}: FLA dispatched {went} chunk_kda calls to kda_aot")
+        got = {"y": y.detach(), "dx": x.grad,
+               **{n: p.grad.detach() for n, p in layer.named_parameters() if p.grad is not None}}
+        if fla_result is None:
+            fla_result = {n: t.cpu() for n, t in got.items()}
+        else:
+            agreement = {n: rel_rms(t, fla_result[n].cuda()) for n, t in got.items()}
+        del y, got
+    del fla_result
+    # The layer's chunk_kda call alone, on the inputs it had in the kda_aot arm, for both arms.
+    args, kwargs = seen.pop("args"), seen.pop("kwargs")
+    kw = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point()
+              and k in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") else v) for k, v in kwargs.items()}
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
 
     def kda_step(arm):
-        """The layer's chunk_kda call alone, forward + backward, on the inputs the layer gave it in this arm."""
-        args, kwargs = calls[arm]
-        kw = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                  and k in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") else v) for k, v in kwargs.items()}
-
         def run():
             switch(arm)
+            for t in kw.values():
+                if isinstance(t, torch.Tensor):
+                    t.grad = None
             o, _ = layer_module.chunk_kda(*args, **kw)
             o.backward(torch.ones_like(o))
         return run
@@ -142,8 +174,8 @@ def main(argv=None):
     for boundary in ("layer", "kda"):
         ms = {r["arm"]: r["ms"] for r in rows if r["boundary"] == boundary}
         rows.append(dict(base, arm="ratio_fla_over_kda_aot", boundary=boundary, ratio=round(ms["fla"] / ms["kda_aot"], 3)))
-    agreement = {n: rel_rms(results["kda_aot"][n], results["fla"][n]) for n in results["fla"]}
-    rows.append(dict(base, arm="agreement", boundary="layer", rel_rms_kda_aot_vs_fla=agreement))
+    rows.append(dict(base, arm="agreement", boundary="layer", rel_rms_kda_aot_vs_fla=agreement,
+                     peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1)))
     for r in rows:
         print(r, flush=True)
     write_rows(rows, "fla_layer", a.out)
