@@ -225,11 +225,12 @@ def test_pipelined_walk_sms(monkeypatch):
     assert [fit.pipelined_walk_sms(p, q1, 32, 66, i) for p in ("kda_fwd_tape", "kda_bwd_tape")
             for i in range(3)] == [32, 32, 66, 32, 32, 32]
     # the replay (two walks at once, each on half the SMs): Q2's last document (1,193 chunks) starts its
-    # walks while the first one's (2,344) still hold 32 SMs each: one SM per chain, full (split beside
+    # walks while the first one's (2,344) still hold 32 SMs each: the other 34, so full (split beside
     # them: 70.60 against 67.10 ms); Q1's earlier walks are predicted done by then: every SM of the half
     q2 = (2344, 1193)
     for p in ("kda_fwd_tape", "kda_bwd_tape"):
-        assert fit.pipelined_walk_sms(p, q2, 32, 66, 1, 2) == 32
+        assert fit.pipelined_walk_sms(p, q2, 32, 66, 1, 2) == 34
+        assert fit.plan_walk(p, q2[1:], 32, 34, "auto") == (("full", 0, 1),)
         assert fit.pipelined_walk_sms(p, q1, 32, 66, 3, 2) == 66
     # Q6 (200,000 + 49,856 tokens): the long document's walk, with 20 % of the chunk stage after it,
     # gets every SM (quarter CTAs, 4 x 32 <= 132): 28.25 -> 23.29 ms forward
