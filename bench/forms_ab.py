@@ -1,15 +1,12 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
-  chunk: kda_fwd_chunk forms (CHUNK_FORMS: lean (shipped), lean_early_gate, balanced, default) timing
-         chunk_kda_prepare;
-  bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: default, prefetch, wide) timing chunk_kda_bwd_chunk;
+  bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: prefetch (shipped), default) timing chunk_kda_bwd_chunk;
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
          (default) and one after the other (Options.replay_overlap off);
-  gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split,
-         split_horner) timing the whole chunk_kda_bwd;
+  gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
          walks' SMs) and in the plain order;
-    python bench/forms_ab.py [chunk|bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
+    python bench/forms_ab.py [bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
 import sys
 
@@ -20,7 +17,7 @@ from kda_aot import options
 from bench.packs import PACKS
 from bench.single import inputs
 from kda_aot._runtime import registry
-from kda_aot.schedule.kda import BWD_CHUNK_FORMS, CHUNK_FORMS, GATE_FORMS, chunk_kda_fwd, chunk_kda_prepare
+from kda_aot.schedule.kda import BWD_CHUNK_FORMS, GATE_FORMS, chunk_kda_fwd
 from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
 
 
@@ -36,11 +33,6 @@ def main():
 def ab(what, pack, H):
     q, k, v, g, beta, cu = inputs(PACKS[pack], H)
     cu = cu.cpu()
-    if what in ("chunk", "all"):
-        forms = registry.built_forms("kda_fwd_chunk", CHUNK_FORMS)
-        ms = interleaved({f: (lambda f=f: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
-                                                              chunk_form=f)) for f in forms}, iters=9, warmup=2)
-        print(f"{pack} H={H} kda_fwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     do = torch.randn_like(q)
     if what in ("bwd", "all"):

@@ -11,17 +11,17 @@ if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything alre
   KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 fi
-RUNS="kda_fwd_chunk:default kda_fwd_chunk:balanced kda_fwd_chunk:lean kda_fwd_tape:auto kda_bwd_tape:auto kda_bwd_chunk:default
-      kda_bwd_chunk:prefetch kda_bwd_chunk:wide kda_bwd_gate:split_staged kda_bwd_gate:split_horner"
+RUNS="kda_fwd_chunk:lean kda_fwd_tape:auto kda_bwd_tape:auto kda_bwd_chunk:default
+      kda_bwd_chunk:prefetch kda_bwd_gate:split_staged"
 for run in ${NCU_RUNS:-$RUNS}; do
   IFS=: read -r k form <<< "$run"
   case $k in
-    kda_fwd_chunk) knob=chunk_form ;; kda_bwd_chunk) knob=bwd_chunk_form ;;
+    kda_fwd_chunk) knob= ;; kda_bwd_chunk) knob=bwd_chunk_form ;;  # kda_fwd_chunk: one form
     kda_bwd_gate) knob=gate_form ;; *) knob=walk_form ;;
   esac
   report="${NCU_DIR:-$OUT}/ncu_${k}_${form}.txt"
   for extra in "--section SourceCounters --print-details all" ""; do  # the first needs a recent ncu
-    env KDA_AOT_OPTIONS="$knob=$form" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
+    env KDA_AOT_OPTIONS="${knob:+$knob=$form}" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
       ncu --clock-control none -k regex:"$k\\b" -c 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 > "$report" 2>&1

@@ -6,7 +6,7 @@
 #   3. the affected GPU tests: tests/test_kda_numerics_gpu.py (every gate value), test_kda_bwd_gpu.py,
 #      test_kda_fwd_gpu.py, test_cp_cuda.py (kcp_transfer, the summaries) -> $OUT/pytest_*.log
 #   4. Q1, H = 32 timings of kda_aot and FLA (forward, replay step), if time is left -> numerics.jsonl
-#   5. (STEPS=forms) bench/forms_ab.py bwd Q1 32: kda_bwd_chunk with dV' split (shipped) against plain_dvp
+#   5. (STEPS=forms) bench/forms_ab.py bwd Q1 32: the kda_bwd_chunk forms
 #   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
 #   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
 # Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks;

@@ -44,14 +44,10 @@ runs = {
     "kda_fwd_tape/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
                                                   output_final_state=True, save_tape=True, walk_form="quarter"),
     "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="quarter"),
-    "kda_fwd_chunk/balanced": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
-                                                        chunk_form="balanced"),
-    "kda_fwd_chunk/default": lambda: chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True,
-                                                       chunk_form="default"),
 }
-for form in ("full", "full_staged", "split", "split_horner"):
+for form in ("full", "full_staged", "split"):
     runs[f"kda_bwd_gate/{form}"] = lambda form=form: chunk_kda_bwd(saved, do, dht, gate_form=form)
-for form in ("default", "wide"):
+for form in ("default",):
     runs[f"kda_bwd_chunk/{form}"] = lambda form=form: chunk_kda_bwd_chunk(saved, do, dtape, form=form)
 for name, run in runs.items():
     try:

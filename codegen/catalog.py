@@ -25,8 +25,39 @@ def gencode(arch: str) -> str:
 
 
 @dataclass(frozen=True)
+class Binding:
+    """The binding unit of a program whose launch takes a shared argument struct: its template (one per
+    struct, under templates/common/) and the tensors a launch must be given."""
+    template: str
+    needs: tuple
+    need_one: tuple = ()  # tensors of which a launch must be given at least one
+
+
+_FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"
+_GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "daqk_diag", "dqg", "dkg", "drk",
+               "dbeta_v", "dgam_s", "dq", "dk", "dg")
+# Programs on KdaFwdArgs / KdaBwdArgs (templates/common/kda.h); every other program's folder holds its own
+# binding.cpp.j2.
+BINDINGS = {
+    "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
+                                         "aqk", "gamma")),
+    "kda_fwd_tape": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
+    "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
+    # without dtape the offset walk (the entering-state gradients context parallelism sends)
+    "kda_bwd_tape": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma"),
+                            need_one=("dtape", "dinitial_state")),
+    "kda_bwd_chunk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "dtape", "v", "u",
+                                         "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
+                                         "daqk_diag", "dbeta_v", "dgam_s")),
+    # two CTAs over 64 channels each write dbeta's halves (the caller adds them)
+    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",)),
+    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",)),
+}
+
+
+@dataclass(frozen=True)
 class Record:
-    program: str          # templates/<program>/ holds kernel.cu.j2 and binding.cpp.j2
+    program: str          # templates/<program>/ holds kernel.cu.j2 (and binding.cpp.j2 unless BINDINGS names one)
     form: str             # what the runtime selects by
     params: dict          # rendered into the templates; part of the hash
     select: str           # when the runtime picks this form
@@ -45,6 +76,18 @@ class Record:
     @property
     def flags(self) -> tuple:
         return NVCC_FLAGS + (gencode(self.arch),) + tuple(self.extra_flags)
+
+    @property
+    def binding(self) -> Binding | None:
+        key = f"{self.program}/{self.params['columns']}" if self.program == "kda_bwd_gate" else self.program
+        return BINDINGS.get(key)
+
+    @property
+    def templates(self) -> dict:
+        """{unit suffix: template path under templates/}: the kernel's and the binding's."""
+        binding = self.binding
+        return {"kernel.cu": f"{self.program}/kernel.cu.j2",
+                "binding.cpp": binding.template if binding else f"{self.program}/binding.cpp.j2"}
 
 
 _CONV_GRID = "ceil(ceil(T / tokens_per_thread) * D / channels / threads) CTAs of `threads`; thread = (token tile, channels)"
@@ -100,42 +143,14 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            params={"threads": 128, "tokens_per_thread": 5, "channels": 4, "unroll": 2, "min_blocks": 1,
                    "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 1},
            select=_VARIANT, grid=_BWD_GRID, shipped=False),
-    # Measured against each other (bench/forms_ab.py chunk, Q1 H = 32, chunk stage alone): default
-    # 16.04 ms, balanced 14.14 (bitwise equal); balanced 13.96, lean 12.71 (fp64-checked, saved == replay
-    # bitwise under it), so lean ships. W, U and Aqk out through shared memory 11.93 ms against 12.64
-    # from the fragments (bitwise equal; the fragment path retired). lean's (I + L)^-1 on the tensor cores in 3xTF32 (off-diagonal blocks by doubling), its diagonal
-    # blocks by doubling from 8 x 8: 11.84 -> 9.11 ms (bench/chunk_profile.py; fp64-checked, balanced and
-    # default keep the CUDA-core inverse they are checked bitwise by).
-    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "balanced": True, "lean": True,
-                                                        "profile": False, "early_gate": False},
-           select="always (the shipped form): balanced with Gamma in log2 units and the Akk/Aqk operands "
-                  "as packed bf16 products (another rounding than balanced: fp64-checked, not bitwise)",
-           grid="(n_chunks, H) CTAs of 256 threads; as balanced"),
-    Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "balanced": True, "lean": True,
-                                                             "profile": True, "early_gate": False},
+    # The chunk stage: its schedule and what it won against the forms before it (deleted): docs/forward.md.
+    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "profile": False},
+           select="always: Akk/Aqk tiles spread over the warps by table, Gamma in log2 units, the Akk/Aqk "
+                  "operands as packed bf16 products, (I + L)^-1 on the tensor cores in 3xTF32",
+           grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table"),
+    Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "profile": True},
            select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
            grid="as lean", shipped=False),
-    # Not yet measured (docs/forward.md): the gate's tile waited for
-    # alone so that its running sum (~1.4 k of ~33 k cycles a CTA) overlaps the q, k, v copies;
-    # bitwise lean (the same arithmetic in the same order).
-    Record(program="kda_fwd_chunk", form="lean_early_gate", params={"threads": 256, "balanced": True, "lean": True,
-                                                                   "profile": False, "early_gate": True},
-           select="tests and benchmarks only (bench/forms_ab.py chunk): `lean` with the gate's tile in a "
-                  "commit group of its own, its running sum beside the q, k, v copies",
-           grid="as lean", shipped=False),
-    Record(program="kda_fwd_chunk", form="balanced", params={"threads": 256, "balanced": True, "lean": False,
-                                                            "profile": False, "early_gate": False},
-           select="tests and benchmarks only: Akk/Aqk tiles spread so no warp builds more than 32 operand "
-                  "exps per lane and k-step, the diagonal forward substitution with its column in registers; "
-                  "lean's schedule with fp32 operand products, checked bitwise against default",
-           grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table",
-           shipped=False),
-    Record(program="kda_fwd_chunk", form="default", params={"threads": 256, "balanced": False, "lean": False,
-                                                           "profile": False, "early_gate": False},
-           select="tests and benchmarks only: the first schedule (warp w builds the Akk/Aqk tiles of its own "
-                  "rows), kept to check `balanced` bitwise against it",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
-           shipped=False),
     # Walk forms (issue 5), measured on the H200 (bench/measure_rho.py, 2026-11-30, 256-chunk chains):
     # quarter over full 2.0-2.5x with at most SM/4 chains (rho_quarter_alone 0.40 fwd, 0.47 bwd): it ships too.
     # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
@@ -188,25 +203,12 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
     # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,
-    # prefetch 15.40, wide 15.46; prefetch is bitwise equal to default (GPU tests), so it ships.
-    Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True, "dvp_split": True},
+    # prefetch 15.40; prefetch is bitwise equal to default (GPU tests), so it ships.
+    Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
            select="always (the plain-product half of the chunk-parallel backward): the fp32 state tapes read "
                   "eight rows per warp at a time, loads issued before use",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
-    # dV' as bf16 alone in dW and dRv (the shipped forms take it as hi + lo: dv 2.9e-3 -> 2.5e-3, dbeta_v's part
-    # of dbeta likewise, emulated): kept to measure what the split costs (bench/forms_ab.py bwd).
-    Record(program="kda_bwd_chunk", form="plain_dvp", params={"threads": 256, "prefetch": True, "dvp_split": False},
-           select="tests and benchmarks only: `prefetch` with dV' rounded to bf16 once for dW and dRv (another rounding: "
-                  "fp64 bounds, not bitwise)",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
-           shipped=False),
-    Record(program="kda_bwd_chunk", form="wide", params={"threads": 512, "prefetch": True, "dvp_split": True},
-           select="tests and benchmarks only (measured: no faster than prefetch, 15.46 vs 15.40 ms): sixteen warps (4 row blocks x 4 "
-                  "column groups) in the same shared memory, tapes prefetched; bitwise equal to it except dbeta_v "
-                  "(its partial sums regroup: fp32 rounding)",
-           grid="(n_chunks, H) CTAs of 512 threads; warp w = (rows 16 (w % 4) .., column quarter w / 4)",
-           shipped=False),
-    Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False, "dvp_split": True},
+    Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False},
            select="tests and benchmarks only: the tapes read as they are used; kept to check `prefetch` "
                   "bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
@@ -215,32 +217,23 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     # 2026-11-30, Q1 H = 32, whole chunk_kda_bwd: full 64.2 ms, full_staged 63.5, split 50.4,
     # split_staged 45.6): two CTAs per SM with the bf16 inputs in shared memory ship.
     Record(program="kda_bwd_gate", form="split_staged",
-           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True, "anchoring": "pair"},
+           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
            select="always (the gated half of the chunk-parallel backward): two CTAs per (chunk, head) over 64 "
                   "channels each, two resident per SM, dQg/dRk/dKg staged in shared memory (101 KB)",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)"),
-    Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False, "anchoring": "pair"},
+    Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},
            select="tests and benchmarks only: one CTA per (chunk, head) over all 128 channels (255 registers, "
                   "one per SM); dq, dk, dg bitwise equal to split_staged, dbeta summed in another order",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
            shipped=False),
-    Record(program="kda_bwd_gate", form="full_staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True, "anchoring": "pair"},
+    Record(program="kda_bwd_gate", form="full_staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
            select="tests and benchmarks only: `full` with dQg, dRk, dKg staged in shared memory; bitwise equal to `full`",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
            shipped=False),
-    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False, "anchoring": "pair"},
+    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False},
            select="tests and benchmarks only: `split_staged` reading its bf16 inputs from global memory in the "
                   "elementwise phases; bitwise equal to it",
-           grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
-                "32 channels w / 4)",
-           shipped=False),
-    Record(program="kda_bwd_gate", form="split_horner",
-           params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False, "anchoring": "horner"},
-           select="tests and benchmarks only (measured 2026-11-30, whole backward Q1 H = 32: 53.1 ms against "
-                  "split_staged's 47.8): the gated operands built "
-                  "once per CTA in shared memory, block decays carried on the accumulator (no exps per k-step); "
-                  "fp64 bounds, not bitwise (another rounding)",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)",
            shipped=False),

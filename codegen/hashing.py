@@ -1,7 +1,8 @@
 """Content hash of a record: everything that decides its generated files, nothing else.
 
-Inputs: the program's template files, every header of ours they include (transitively, by
-relative path under templates/), the parameters, the arch and the flags. No absolute paths,
+Inputs: the record's template files (its kernel's and its binding's), every header of ours they include
+(transitively, by relative path under templates/), the tensors its binding requires, the parameters,
+the arch and the flags. No absolute paths,
 no timestamps, keys sorted: the hash is the same on any machine and under any PYTHONHASHSEED.
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ import re
 from . import TEMPLATES
 from .catalog import Record
 
-TEMPLATE_FILES = ("kernel.cu.j2", "binding.cpp.j2")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -42,8 +42,8 @@ def our_includes(text: str, seen: dict[str, str]) -> None:
 def dependencies(record: Record) -> dict[str, str]:
     """{relative path: sha256} of the template files and the headers they include."""
     deps: dict[str, str] = {}
-    for fname in TEMPLATE_FILES:
-        path = TEMPLATES / record.program / fname
+    for template in record.templates.values():
+        path = TEMPLATES / template
         data = path.read_bytes()
         deps[_rel(path)] = sha256_bytes(data)
         our_includes(data.decode(), deps)
@@ -59,5 +59,7 @@ def record_hash(record: Record) -> str:
         "flags": list(record.flags),
         "depends": dependencies(record),
     }
+    if record.binding:  # the tensors its binding requires are rendered into it
+        payload["binding"] = {"needs": list(record.binding.needs), "need_one": list(record.binding.need_one)}
     canon = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return sha256_bytes(canon.encode())

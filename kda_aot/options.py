@@ -21,8 +21,7 @@ WALK_FORMS = ("auto", "full", "split", "quarter")
 class Options:
     # the state walks: "auto" (the fit rule picks per launch) or one form for every walk launch
     walk_form: str = "auto"
-    # kernel forms of the chunk stage, the gate and kda_bwd_chunk ("": the shipped form)
-    chunk_form: str = ""
+    # kernel forms of the gate and kda_bwd_chunk ("": the shipped form)
     gate_form: str = ""
     bwd_chunk_form: str = ""
     # the chunk stage a segment group at a time beside the walks (False: one launch, then the walks)

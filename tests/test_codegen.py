@@ -99,6 +99,22 @@ def test_hash_covers_params_arch_and_flags():
     assert record_hash(replace(rec, select="another rule")) == base  # not an input of the files
 
 
+def test_kda_bindings_come_from_their_argument_struct(monkeypatch):
+    """The KDA programs' binding units render from the one template of their argument struct, with the
+    tensors BINDINGS lists for them; those are an input of the hash."""
+    from codegen import catalog
+    for rec in RECORDS:
+        if rec.program.startswith(("kda_", "kcp_")):
+            template = rec.templates["binding.cpp"]
+            assert template in (catalog._FWD_ARGS, catalog._BWD_ARGS), rec.program
+            text = render_record(rec).files[f"generated/{record_hash(rec)[:16]}_binding.cpp"]
+            assert ", ".join(f'"{n}"' for n in rec.binding.needs) in text
+    rec = next(r for r in RECORDS if r.program == "kda_fwd_tape")
+    base = record_hash(rec)
+    monkeypatch.setitem(catalog.BINDINGS, "kda_fwd_tape", replace(rec.binding, needs=rec.binding.needs[:-1]))
+    assert record_hash(rec) != base
+
+
 def test_missing_parameter_is_an_error():
     rec = RECORDS[0]
     params = dict(rec.params)
@@ -116,11 +132,12 @@ def test_manifests_list_every_record_with_file_hashes():
     assert {(e["program"], e["form"]) for e in shipped["records"]} == {
         (r.program, r.form) for r in RECORDS if r.shipped}
     for e in entries:
-        for key in ("name", "hash", "program", "form", "arch", "template", "params", "select", "grid",
+        for key in ("name", "hash", "program", "form", "arch", "template", "binding", "params", "select", "grid",
                     "files", "depends", "flags", "toolkit_floor", "module"):
             assert key in e, (e["name"], key)
         assert e["hash"].startswith(e["name"])
         assert (ROOT / e["template"] / "kernel.cu.j2").is_file()
+        assert (ROOT / e["binding"]).is_file() and e["binding"] in e["depends"]
         for path, digest in list(e["files"].items()) + list(e["depends"].items()):
             assert hashlib.sha256((ROOT / path).read_bytes()).hexdigest() == digest, path
         assert any(p.startswith("templates/common/") for p in e["depends"])  # our headers are inputs

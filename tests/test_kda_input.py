@@ -174,15 +174,6 @@ def test_chunk_kda_batched_and_packed_shapes_are_checked():
         chunk_kda_fwd(x, x, x, g, b, cu_seqlens=cu)
 
 
-def test_chunk_forms_are_checked_before_any_kernel(kda_options):
-    from kda_aot.schedule.kda import chunk_kda_prepare
-    with pytest.raises(ValueError, match="chunk_form: expected one of"):
-        chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None, chunk_form="quick")
-    kda_options(chunk_form="fast")
-    with pytest.raises(ValueError, match="chunk_form: expected one of"):
-        chunk_kda_prepare(None, None, None, None, None, cu_seqlens=None)
-
-
 def test_bwd_chunk_forms_are_checked_before_any_kernel(kda_options):
     from kda_aot.schedule.backward import chunk_kda_bwd_chunk
     with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):

@@ -18,7 +18,7 @@ def test_defaults_are_the_shipped_choices():
     assert (o.walk_form, o.pipeline, o.replay_overlap, o.max_heads) == ("auto", True, True, 0)
     assert (o.cp_pipeline, o.cp_batched_summaries, o.cp_replay_pieces) == (True, True, True)
     assert (o.cp_exchange_beside, o.cp_piece_senders, o.debug_timing) == (False, False, False)
-    assert (o.chunk_form, o.gate_form, o.bwd_chunk_form) == ("", "", "")
+    assert (o.gate_form, o.bwd_chunk_form) == ("", "")
 
 
 def test_parse_and_bad_values():
@@ -93,10 +93,10 @@ def test_the_backward_sees_the_options():
 
         @staticmethod
         def backward(ctx, dy):
-            Probe.seen = options.current().chunk_form
+            Probe.seen = options.current().gate_form
             return dy
 
     x = torch.ones(3, requires_grad=True)
-    with options.using(chunk_form="balanced"):
+    with options.using(gate_form="full"):
         Probe.apply(x).sum().backward()
-    assert Probe.seen == "balanced"
+    assert Probe.seen == "full"

@@ -292,7 +292,6 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
     chunk stage instead of the whole chain's (CP2 Q1 contiguous: rank 0's 1,584-chunk
     document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
-    chunk_form = kda._pick_form("chunk_form", None, kda.CHUNK_FORMS)
     prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
     _check_dout(do, q)
     do = do.contiguous()  # once, not per group
@@ -352,8 +351,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
                                    out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
                                    sm_count=plan.sms_of("kda_bwd_tape", i),
                                    pool=f"kda_bwd_tape/replay{i}")
-    kda._pipelined(prepared, chunk_form, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, plan,
-               piece_chunks)
+    kda._pipelined(prepared, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, plan, piece_chunks)
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 

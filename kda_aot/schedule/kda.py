@@ -137,9 +137,9 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
 
 # Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
 # test-only records measured against it (bench/forms_ab.py).
-CHUNK_FORMS = ("lean", "lean_early_gate", "balanced", "default")          # kda_fwd_chunk
-BWD_CHUNK_FORMS = ("prefetch", "default", "wide", "plain_dvp")            # kda_bwd_chunk
-GATE_FORMS = ("split_staged", "full", "full_staged", "split", "split_horner")  # kda_bwd_gate
+CHUNK_FORM = "lean"                                    # kda_fwd_chunk (lean_prof: bench/chunk_profile.py)
+BWD_CHUNK_FORMS = ("prefetch", "default")            # kda_bwd_chunk
+GATE_FORMS = ("split_staged", "full", "full_staged", "split")  # kda_bwd_gate
 
 
 def _pick_form(what: str, form, forms: tuple) -> str:
@@ -150,15 +150,12 @@ def _pick_form(what: str, form, forms: tuple) -> str:
     return form
 
 
-def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False,
-                      chunk_form=None):
+def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
-    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    chunk_form: one of CHUNK_FORMS (default: Options.chunk_form, else the shipped one)."""
-    chunk_form = _pick_form("chunk_form", chunk_form, CHUNK_FORMS)
+    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
-    _launch_chunk_stage(t, chunk_form, initial_state)
+    _launch_chunk_stage(t, initial_state)
     return t
 
 
@@ -183,14 +180,14 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
     }
 
 
-def _launch_chunk_stage(t: dict, chunk_form: str, initial_state, first: int = 0, end: int | None = None):
+def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None = None, form: str = CHUNK_FORM):
     """kda_fwd_chunk over chunks [first, end) (all by default): the per-chunk tensors (chunks,
     gamma) narrowed to them, the token-indexed ones whole (each chunk writes its own tokens)."""
     part = _chunk_range(t, first, end)
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    registry.library("kda_fwd_chunk", chunk_form).launch(desc, t["scale"], stream_of(t["q"]))
+    registry.library("kda_fwd_chunk", form).launch(desc, t["scale"], stream_of(t["q"]))
 
 
 def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
@@ -240,15 +237,14 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline."""
-    chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
     if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not _on_gpu(q):
-        _launch_chunk_stage(prepared, chunk_form, initial_state)
+        _launch_chunk_stage(prepared, initial_state)
         return chunk_kda_walk(prepared, out=out, **walk_args)
-    return _fwd_pipelined(prepared, chunk_form, out, **walk_args)
+    return _fwd_pipelined(prepared, out, **walk_args)
 
 
 def _on_gpu(x) -> bool:
@@ -262,7 +258,7 @@ def _pipeline_on(pipeline=None) -> bool:
     return options.current().pipeline if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, launch_group, plan: PipelinePlan,
+def _pipelined(prepared: dict, initial_state, pools: tuple, launch_group, plan: PipelinePlan,
                piece_chunks=None, before_join=None, stage_done=None):
     """Run a pipelined plan (kda_aot.schedule.plan): each launch's chunk stage on the current stream,
     then launch_group(i, first, end, streams) launches group i's walks on its side streams (one per pool),
@@ -281,7 +277,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
     try:
         for i, p in plan.launches:
             a, b = groups[i]
-            _launch_chunk_stage(prepared, chunk_form, initial_state, *plan.chunk_range(i, p))
+            _launch_chunk_stage(prepared, initial_state, *plan.chunk_range(i, p))
             for pool in streams:
                 pool[i].wait_stream(main)
             if stage_done is not None and p is None:
@@ -298,7 +294,7 @@ def _pipelined(prepared: dict, chunk_form: str, initial_state, pools: tuple, lau
                 main.wait_stream(side)
 
 
-def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_final_state, save_tape,
+def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, save_tape,
                    walk_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False,
                    summarised=None):
     """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
@@ -396,7 +392,7 @@ def _fwd_pipelined(prepared: dict, chunk_form, out, *, initial_state, output_fin
                 main.wait_stream(on)
     stage_done = {} if exchange_beside else None
     before = torch.cuda.current_stream(q.device).record_event() if exchange_beside else None
-    _pipelined(prepared, chunk_form, initial_state, ("pipeline",), walk, plan, piece_chunks,
+    _pipelined(prepared, initial_state, ("pipeline",), walk, plan, piece_chunks,
                walk_deferred if entering is not None else None, stage_done=stage_done)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
@@ -421,9 +417,8 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     exchange_beside, summarised: see _fwd_pipelined (the tensors entering makes are then made on that
     stream; summarised: the deferred segments entering reads the chunk stage of, default all).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
-    chunk_form = _pick_form("chunk_form", None, CHUNK_FORMS)
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
-    o, final, saved = _fwd_pipelined(prepared, chunk_form, None, initial_state=initial_state, output_final_state=True,
+    o, final, saved = _fwd_pipelined(prepared, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, walk_form=None, want_output=True, deferred=deferred,
                                      entering=entering, senders=senders, exchange_beside=exchange_beside,
                                      summarised=summarised)
