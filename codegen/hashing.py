@@ -1,7 +1,7 @@
 """Content hash of a record: everything that decides its generated files, nothing else.
 
-Inputs: the record's template files (its kernel's and its binding's), every header of ours they include
-(transitively, by relative path under templates/), the tensors its binding requires, the parameters,
+Inputs: the record's template files (its kernel's and its binding's), every header and template of ours
+they include (transitively, by relative path under templates/), the tensors its binding requires, the parameters,
 the arch and the flags. No absolute paths,
 no timestamps, keys sorted: the hash is the same on any machine and under any PYTHONHASHSEED.
 """
@@ -15,6 +15,7 @@ from . import TEMPLATES
 from .catalog import Record
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_JINJA_INCLUDE = re.compile(r'\{%-?\s*include\s+"([^"]+)"')  # a template's variants in files of their own
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -26,8 +27,8 @@ def _rel(path) -> str:
 
 
 def our_includes(text: str, seen: dict[str, str]) -> None:
-    """Add every `#include "x"` that resolves under templates/ (recursively) to `seen`."""
-    for name in _INCLUDE.findall(text):
+    """Add every `#include "x"` and `{% include "x" %}` that resolves under templates/ (recursively) to `seen`."""
+    for name in _INCLUDE.findall(text) + _JINJA_INCLUDE.findall(text):
         path = TEMPLATES / name
         if not path.is_file():
             continue  # not ours (e.g. a system or pybind11 header in quotes)

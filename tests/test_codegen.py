@@ -150,3 +150,15 @@ def test_setup_refuses_a_stale_tree(repo_copy):
     proc = run(["setup.py", "build_ext", "--inplace"], repo_copy, {"KDA_AOT_ARCH": "sm_90a"})
     assert proc.returncode != 0
     assert "generated/ is stale" in proc.stdout + proc.stderr
+
+
+def test_included_template_variants_are_hash_inputs():
+    """A walk's step kinds live in files of their own, `{% include %}`d by its kernel template: each is
+    a dependency of every record of the program (a change to either changes the hash)."""
+    from codegen.hashing import dependencies
+    for program, files in (("kda_fwd_tape", ("step_column_halves", "step_roles")),
+                           ("kda_bwd_tape", ("wgmma_stage", "wgmma_walk", "mma_stage", "mma_walk"))):
+        for rec in (r for r in RECORDS if r.program == program):
+            deps = dependencies(rec)
+            for name in files:
+                assert f"templates/{program}/{name}.cuh.j2" in deps, (rec.form, name)
