@@ -60,10 +60,14 @@ def main(argv=None):
     ap.add_argument("--outputs", default="dh0,dbeta")
     ap.add_argument("--arms", default="fixed,fla")
     ap.add_argument("--per-seed", action="store_true")
+    ap.add_argument("--split-last", action="store_true",
+                    help="also dbeta's error in the documents' last tokens alone (dbeta_last, relative to all of ||dbeta||)"
+                         " and the share of ||dbeta_ref||^2 there")
     a = ap.parse_args(argv)
     specs = a.arms.split(",")
     arms = [(s, arm_of(s)) for s in specs]
-    outs = a.outputs.split(",")
+    outs = a.outputs.split(",") + (["dbeta_last"] if a.split_last else [])
+    share = []
     err = {s: {o: [] for o in outs} for s in specs}
     t0 = time.time()
     for i in range(a.seeds):
@@ -75,6 +79,12 @@ def main(argv=None):
         for s, kn in arms:
             res = E.run_fla(x) if kn is None else E.run_kda(x, kn)
             e = E.errors(res, ref)
+            if a.split_last:
+                last = torch.tensor([c - 1 for c in x["cu"][1:]])
+                r = ref["dbeta"][0]
+                e["dbeta_last"] = ((res["dbeta"][0].double() - r)[last].norm() / r.norm()).item()
+                if s == specs[0]:
+                    share.append(((r[last] ** 2).sum() / (r ** 2).sum()).item())
             for o in outs:
                 err[s][o].append(e.get(o, float("nan")))
         if a.per_seed:
@@ -83,6 +93,8 @@ def main(argv=None):
     print(f"gate {a.gate} beta in [0, {a.beta_max}) init {a.init} H {a.heads} seeds {a.seeds} (from {a.seed0}) "
           f"pack {a.pack}  ({time.time() - t0:.0f} s)")
     med = statistics.median
+    if share:
+        print(f"  share of ||dbeta_ref||^2 in the documents' last tokens: median {med(share):.3f}")
     w = max(22, max(len(s) for s in specs))
     for o in outs:
         print(f"  {o}: {'arm':{w}s} {'median':>9s}  {'x first (min..max)':>22s}  {'x fla (min..max)':>22s}  <fla")

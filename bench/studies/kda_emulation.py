@@ -83,7 +83,7 @@ SHIPPED = {
     "aqk": "bf16",           # Aqk as the walk (and backward) reads it
     "inv": "fp32",           # (I + L)^-1 inside the chunk stage (3xTF32 ~ fp32)
     "t_op": "bf16",          # T = (I + L)^-1 Diag(beta) as the W/U product operand
-    "kexp": "bf16",          # K e^Gamma as the W product operand
+    "kexp": "bf16",          # K e^Gamma as the W product operand ('hilo': bf16 hi + lo, a second mma pass)
     "w_beta": "t",           # where beta enters W: in T = bf16((I + L)^-1 Diag(beta)) ('t', the kernel), or in
                              # the K operand bf16(beta K e^Gamma) with bf16((I + L)^-1) for W only ('k'), or in
                              # both operands of W and U: bf16((I + L)^-1) @ bf16(beta K e^Gamma) / bf16(beta V)
