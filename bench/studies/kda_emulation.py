@@ -87,7 +87,8 @@ SHIPPED = {
     "w_beta": "t",           # where beta enters W: in T = bf16((I + L)^-1 Diag(beta)) ('t', the kernel), or in
                              # the K operand bf16(beta K e^Gamma) with bf16((I + L)^-1) for W only ('k'), or in
                              # both operands of W and U: bf16((I + L)^-1) @ bf16(beta K e^Gamma) / bf16(beta V)
-                             # ('kv', FLA's form)
+                             # ('kv', FLA's form), or T's diagonal out of the mma and beta_i K_i e^Gamma_i added
+                             # to W's accumulator in fp32 ('t_diag')
     "entering": "decay",     # the initial state / dh0 times kda.entering_decay when g is floored (the op does)
     "w": "bf16", "u": "bf16", "qg": "bf16", "kg": "bf16",
     # kda_fwd_tape
@@ -293,6 +294,9 @@ def chunk_stage(q, k, v, G, beta, kn):
     if kn["w_beta"] == "t":
         kexp = rnd(k.float() * ex2(G), kn["kexp"])
         W32 = T @ kexp
+    elif kn["w_beta"] == "t_diag":  # T's diagonal (beta_i) out of the mma, beta_i k_i e^Gamma_i added in fp32
+        kexp = rnd(k.float() * ex2(G), kn["kexp"])
+        W32 = (T - torch.diag_embed(torch.diagonal(T, dim1=-2, dim2=-1))) @ kexp + beta[..., None] * k.float() * ex2(G)
     else:  # beta in the K operand: W's diagonal terms rounded once, as FLA's
         W32 = rnd(inv, kn["t_op"]) @ rnd(k.float() * beta[..., None] * ex2(G), kn["kexp"])
     W = rnd(W32, kn["w"])
