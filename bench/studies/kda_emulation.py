@@ -83,7 +83,13 @@ SHIPPED = {
     "aqk": "bf16",           # Aqk as the walk (and backward) reads it
     "inv": "fp32",           # (I + L)^-1 inside the chunk stage (3xTF32 ~ fp32)
     "t_op": "bf16",          # T = (I + L)^-1 Diag(beta) as the W/U product operand
-    "kexp": "bf16",          # K e^Gamma as the W product operand
+    "kexp": "bf16",          # K e^Gamma as the W product operand ('hilo': bf16 hi + lo, a second mma pass)
+    "w_beta": "t",           # where beta enters W: in T = bf16((I + L)^-1 Diag(beta)) ('t', the kernel), or in
+                             # the K operand bf16(beta K e^Gamma) with bf16((I + L)^-1) for W only ('k'), or in
+                             # both operands of W and U: bf16((I + L)^-1) @ bf16(beta K e^Gamma) / bf16(beta V)
+                             # ('kv', FLA's form), or T's diagonal out of the mma and beta_i K_i e^Gamma_i added
+                             # to W's accumulator in fp32 ('t_diag')
+    "entering": "decay",     # the initial state / dh0 times kda.entering_decay when g is floored (the op does)
     "w": "bf16", "u": "bf16", "qg": "bf16", "kg": "bf16",
     # kda_fwd_tape
     "s_op": "bf16",          # the state as a product operand
@@ -91,6 +97,11 @@ SHIPPED = {
     "o_acc": "one",          # O = Qg S + Aqk V' in one fp32 accumulator
     # kda_bwd_tape
     "ds_op": "bf16", "ndv": "bf16",
+    "bw_w": "stored",        # the backward walk's W, Qg, Kg operands: the stored bf16 tiles ('stored'), or the
+    "bw_qg": "stored",       # chunk stage's unrounded fp32 values as 'fp32' / 'hilo' operands (the walk alone)
+    "bw_kg": "stored",
+    "bw_order": "kernel",    # dS update: fma(scale, Qg^T dO, e^gamma dS), then W^T (-dV') into that accumulator
+                             # ('kernel'), or e^gamma dS + (scale Qg^T dO - W^T dV') ('fla')
     # kda_bwd_chunk
     "tape_op": "bf16",       # S, dS tapes as operands
     "akk_inv": "bf16",       # saved (I + L)^-1
@@ -280,17 +291,29 @@ def chunk_stage(q, k, v, G, beta, kn):
     inv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
     inv = rnd(inv, kn["inv"])
     T = rnd(inv * beta[:, :, None, :], kn["t_op"])
-    kexp = rnd(k.float() * ex2(G), kn["kexp"])
-    W = rnd(T @ kexp, kn["w"])
-    U = rnd(T @ v.float(), kn["u"])
-    Qg = rnd(q.float() * ex2(G), kn["qg"])
-    Kg = rnd(k.float() * ex2(G[:, :, -1:] - G), kn["kg"])
+    if kn["w_beta"] == "t":
+        kexp = rnd(k.float() * ex2(G), kn["kexp"])
+        W32 = T @ kexp
+    elif kn["w_beta"] == "t_diag":  # T's diagonal (beta_i) out of the mma, beta_i k_i e^Gamma_i added in fp32
+        kexp = rnd(k.float() * ex2(G), kn["kexp"])
+        W32 = (T - torch.diag_embed(torch.diagonal(T, dim1=-2, dim2=-1))) @ kexp + beta[..., None] * k.float() * ex2(G)
+    else:  # beta in the K operand: W's diagonal terms rounded once, as FLA's
+        W32 = rnd(inv, kn["t_op"]) @ rnd(k.float() * beta[..., None] * ex2(G), kn["kexp"])
+    W = rnd(W32, kn["w"])
+    if kn["w_beta"] == "kv":
+        U = rnd(rnd(inv, kn["t_op"]) @ rnd(v.float() * beta[..., None], kn["t_op"]), kn["u"])
+    else:
+        U = rnd(T @ v.float(), kn["u"])
+    Qg32 = q.float() * ex2(G)
+    Kg32 = k.float() * ex2(G[:, :, -1:] - G)
+    Qg = rnd(Qg32, kn["qg"])
+    Kg = rnd(Kg32, kn["kg"])
     if kn["aqk"] == "bf16d":  # bf16 with its i = j entries kept in fp32 (a [T, H] side tensor)
         Aqk_r = bf(Aqk)
         Aqk_r = Aqk_r + torch.diag_embed(torch.diagonal(Aqk, dim1=-2, dim2=-1) - torch.diagonal(Aqk_r, dim1=-2, dim2=-1))
     else:
         Aqk_r = rnd(Aqk, kn["aqk"])
-    return dict(W=W, U=U, Qg=Qg, Kg=Kg, Aqk=Aqk_r, L=L, inv=inv)
+    return dict(W=W, U=U, Qg=Qg, Kg=Kg, Aqk=Aqk_r, L=L, inv=inv, W32=W32, Qg32=Qg32, Kg32=Kg32)
 
 
 def fwd_walk(cs, gam_last, table, cu, h0, scale, kn):
@@ -323,16 +346,22 @@ def bwd_walk(cs, gam_last, dO, table, cu, dht, scale, kn):
     dtape = torch.zeros(n, H, K, K)
     dh0 = torch.zeros(len(cu) - 1, H, K, K)
     dS = None
+    op = {n_: cs[n_] if kn["bw_" + n_.lower()] == "stored" else rnd(cs[n_ + "32"], kn["bw_" + n_.lower()])
+          for n_ in ("W", "Qg", "Kg")}
     for c in range(n - 1, -1, -1):
         doc, t0, ln = table[c]
         if t0 + ln == cu[doc + 1]:
             dS = torch.zeros(H, K, K) if dht is None else dht[doc].float().clone()
         dtape[c] = dS
         dSb = rnd(dS, kn["ds_op"])
-        dvp = scale * (cs["Aqk"][c].transpose(-1, -2) @ dO[c]) + cs["Kg"][c] @ dSb
+        dvp = scale * (cs["Aqk"][c].transpose(-1, -2) @ dO[c]) + op["Kg"][c] @ dSb
         ndv = rnd(-dvp, kn["ndv"])
-        dS = scale * (cs["Qg"][c].transpose(-1, -2) @ dO[c]) + torch.exp(gam_last[c])[:, :, None] * dS
-        dS = dS + cs["W"][c].transpose(-1, -2) @ ndv
+        if kn["bw_order"] == "kernel":
+            dS = scale * (op["Qg"][c].transpose(-1, -2) @ dO[c]) + torch.exp(gam_last[c])[:, :, None] * dS
+            dS = dS + op["W"][c].transpose(-1, -2) @ ndv
+        else:
+            dS = torch.exp(gam_last[c])[:, :, None] * dS + (scale * (op["Qg"][c].transpose(-1, -2) @ dO[c])
+                                                            + op["W"][c].transpose(-1, -2) @ ndv)
         if t0 == cu[doc]:
             dh0[doc] = dS
     return dtape, dh0
@@ -458,9 +487,17 @@ def run_kda(x, kn):
     gam, G = cumgate(g.float(), kn)
     gam_last = gam[:, :, -1]
     cs = chunk_stage(q, k, v, G, beta, kn)
-    O, tape, Vn, final = fwd_walk(cs, gam_last, table, cu, x["h0"], scale, kn)
+    h0, decay = x["h0"], None
+    if h0 is not None and kn["gate_clamp"] is not None and kn["entering"] == "decay":
+        # kda.entering_decay: e^(g - max(g, floor)) of each document's first token, [N, H, K, 1]
+        gf = x["g"][0, cu[:-1]].float()
+        decay = torch.exp(torch.clamp(gf + kn["gate_clamp"], max=0.0)).unsqueeze(-1)
+        h0 = h0.float() * decay
+    O, tape, Vn, final = fwd_walk(cs, gam_last, table, cu, h0, scale, kn)
     dO = do.float()
     dtape, dh0 = bwd_walk(cs, gam_last, dO, table, cu, x["dht"], scale, kn)
+    if decay is not None:
+        dh0 = dh0 * decay
     p = bwd_chunk(cs, tape, dtape, Vn, v, dO, beta, gam_last, scale, kn)
     dq, dk, dg, dbeta = bwd_gate(q, k, G, beta, p, lens, kn)
     if kn["gate_clamp"] is not None:  # the clamp's derivative: zero below the floor
