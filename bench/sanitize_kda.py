@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_aot._runtime import registry
-from kda_aot.schedule.kda import chunk_kda_fwd, chunk_kda_prepare
+from kda_aot.schedule.kda import chunk_kda_fwd
 from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
 
 lens, H = [1, 63, 64, 65, 200], 2
