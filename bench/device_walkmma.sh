@@ -8,7 +8,7 @@
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
-KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=${PROGRAMS-kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate,kcp_transfer,l2norm_fwd,l2norm_bwd} \
+KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=${PROGRAMS-kda_fwd_chunk,kda_fwd_walk,kda_bwd_walk,kda_bwd_chunk,kda_bwd_gate,kcp_transfer,l2norm_fwd,l2norm_bwd} \
   python3 setup.py -q build_ext --inplace 2>&1 | tail -5
 stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}

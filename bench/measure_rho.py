@@ -3,7 +3,7 @@ kda_aot/schedule/fit_params/<gpu>.json (the pipeline's costs there are kept)
 (or --out). The quarter form (test-only), when built, is timed alone too (rho_quarter_alone, chains =
 SM / 4) and in the table.
 
-For each walk (kda_fwd_tape, kda_bwd_tape): rho = time of the split walk (two CTAs of 64 value
+For each walk (kda_fwd_walk, kda_bwd_walk): rho = time of the split walk (two CTAs of 64 value
 columns per chain) / time of the full walk (one CTA of 128 columns per chain) with chains = SM
 count (two split CTAs share every SM), and rho_alone = the same ratio with chains = SM / 2 (one
 split CTA per SM). Equal chain lengths, the walk kernel alone (CUDA events around the launch,
@@ -24,7 +24,7 @@ from kda_aot._runtime import registry
 from kda_aot._runtime.tensor import describe, stream_of
 from kda_aot.schedule.kda import CHUNK, chunk_kda_fwd
 
-WALKS = ("kda_fwd_tape", "kda_bwd_tape")
+WALKS = ("kda_fwd_walk", "kda_bwd_walk")
 
 
 def launch_ms(program, form, desc, stream, iters=15):
@@ -51,8 +51,8 @@ def walk_times(docs, heads, chunks_per_chain):
     bwd = {n: tensors[n] for n in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
     bwd.update(dout=torch.randn_like(q), dtape=torch.empty(C, heads, 128, 128, device="cuda"),
                dinitial_state=torch.empty(N, heads, 128, 128, device="cuda"))
-    descs = {"kda_fwd_tape": {n: describe(x, n) for n, x in tensors.items()},
-             "kda_bwd_tape": {n: describe(x, n) for n, x in bwd.items()}}
+    descs = {"kda_fwd_walk": {n: describe(x, n) for n, x in tensors.items()},
+             "kda_bwd_walk": {n: describe(x, n) for n, x in bwd.items()}}
     stream = stream_of(q)
     return {(p, f): launch_ms(p, f, descs[p], stream) for p in WALKS for f in forms_built()}
 

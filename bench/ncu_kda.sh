@@ -8,10 +8,10 @@
 # program, the test-only forms beside the shipped ones. Reports: $NCU_DIR (default $OUT).
 source "$(dirname "$0")/device_env.sh"
 if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything already
-  KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_tape,kda_bwd_tape,kda_bwd_chunk,kda_bwd_gate \
+  KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_walk,kda_bwd_walk,kda_bwd_chunk,kda_bwd_gate \
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 fi
-RUNS="kda_fwd_chunk:lean kda_fwd_tape:auto kda_bwd_tape:auto kda_bwd_chunk:default
+RUNS="kda_fwd_chunk:lean kda_fwd_walk:auto kda_bwd_walk:auto kda_bwd_chunk:default
       kda_bwd_chunk:prefetch kda_bwd_gate:split_staged"
 for run in ${NCU_RUNS:-$RUNS}; do
   IFS=: read -r k form <<< "$run"

@@ -2,6 +2,7 @@
 same fresh inputs, every output and gradient against the fp64 reference (kda_aot.reference).
 
     python3 bench/numerics.py [--out DIR] [--quick] [--timing [--only-timing]] [--no-fla]
+        [--init-only] [--cases const-8/beta2,unif-60] [--draws 8]   (a subset; fresh draws of each case)
 
 Cases: random packs at H = 4 and H = 32 with documents of 1, 63, 64, 65 and 1,000+ tokens; g uniform in
 [-5, 0] (the ordinary range), constant -5, -8, -12, -30, -1e4, uniform in [-20, 0] and [-60, 0], some
@@ -241,6 +242,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="H = 4 cases with beta in [0, 1) and no initial state only")
     ap.add_argument("--init-only", action="store_true", help="the cases with an initial state only (dh0)")
+    ap.add_argument("--cases", default="", help="comma-separated substrings: only the cases whose name holds one")
+    ap.add_argument("--draws", type=int, default=1, help="inputs per case: fresh draws of the same case (row field draw)")
     ap.add_argument("--timing", action="store_true")
     ap.add_argument("--only-timing", action="store_true", help="the timings alone (no cases)")
     ap.add_argument("--no-fla", action="store_true")
@@ -257,15 +260,18 @@ def main(argv=None):
     lens_by_h = {4: pack(a.seed), 32: pack(a.seed + 1)}
     print(f"fla: {'yes' if fla is not None else 'not installed'}; packs {lens_by_h}", flush=True)
     print(f"{'case':34s} {'arm':20s} " + " ".join(f"{n:>9s}" for n in OUTPUTS), flush=True)
-    todo = [] if a.only_timing else [c for h in a.heads for c in enumerate(cases(a.quick))
-                                     if c[1][1] == h and (c[1][4] or not a.init_only)]
-    for i, (name, H, kind, beta_max, init) in todo:
+    wanted = [w for w in a.cases.split(",") if w]
+    todo = [] if a.only_timing else [(draw, c) for h in a.heads for c in enumerate(cases(a.quick))
+                                     if c[1][1] == h and (c[1][4] or not a.init_only)
+                                     and (not wanted or any(w in c[1][0] for w in wanted))
+                                     for draw in range(a.draws)]
+    for draw, (i, (name, H, kind, beta_max, init)) in todo:
         t_case = time.time()
-        x = make_case(lens_by_h[H], H, kind, beta_max, init, a.seed * 1000 + i)
+        x = make_case(lens_by_h[H], H, kind, beta_max, init, a.seed * 1000 + i + 100_000 * draw)
         finite_g = bool(torch.isfinite(x["g"]).all())
         ref = ref_chunked(x)
         common = dict(base, suite="numerics", case=name, heads=H, lens=lens_by_h[H], gate=kind, beta_max=beta_max,
-                      init=init, g_min=g_min(x))
+                      init=init, g_min=g_min(x), **({"draw": draw} if a.draws > 1 else {}))
         arms = [("kda_aot", lambda: run_kda(x))]
         if fla is not None:
             arms.append(("fla", lambda: run_fla(fla, x)))

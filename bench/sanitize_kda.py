@@ -40,10 +40,10 @@ l2norm_backward(q, rstd, do)
 # the test-only forms, each when built (one missing does not hide the others)
 dtape, _ = chunk_kda_bwd_walk(saved, do, dht)
 runs = {
-    "kda_bwd_tape/split": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="split"),
-    "kda_fwd_tape/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
+    "kda_bwd_walk/split": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="split"),
+    "kda_fwd_walk/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
                                                   output_final_state=True, save_tape=True, walk_form="quarter"),
-    "kda_bwd_tape/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="quarter"),
+    "kda_bwd_walk/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="quarter"),
 }
 for form in ("full", "full_staged", "split"):
     runs[f"kda_bwd_gate/{form}"] = lambda form=form: chunk_kda_bwd(saved, do, dht, gate_form=form)

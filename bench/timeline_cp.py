@@ -26,7 +26,7 @@ from kda_aot import cp, options  # noqa: E402
 from kda_aot.cp.exchange import gather_json  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 
-FAMILIES = ("kda_fwd_chunk", "kda_fwd_tape", "kda_bwd_tape", "kda_bwd_chunk", "kda_bwd_gate", "kcp_transfer",
+FAMILIES = ("kda_fwd_chunk", "kda_fwd_walk", "kda_bwd_walk", "kda_bwd_chunk", "kda_bwd_gate", "kcp_transfer",
             "conv1d", "l2norm", "nccl")
 
 

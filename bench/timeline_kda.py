@@ -21,7 +21,7 @@ from kda_aot.schedule.kda import chunk_kda_fwd
 
 def short(name: str) -> str:
     """A kernel's family: the kda_aot kernel name (the part before its argument list), else 40 chars."""
-    for key in ("kda_fwd_chunk", "kda_fwd_tape", "kda_bwd_tape", "kda_bwd_chunk", "kda_bwd_gate", "kcp_transfer",
+    for key in ("kda_fwd_chunk", "kda_fwd_walk", "kda_bwd_walk", "kda_bwd_chunk", "kda_bwd_gate", "kcp_transfer",
                 "conv1d", "l2norm"):
         if key in name:
             return key

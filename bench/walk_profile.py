@@ -1,4 +1,4 @@
-"""Where a walk step's cycles go: the test-only record kda_fwd_tape/full_prof (the shipped full form)
+"""Where a walk step's cycles go: the test-only record kda_fwd_walk/full_prof (the shipped full form)
 sums clock64 per phase over the steps of CTA 0 and writes the means into the final state
 (warpgroup 0: elements 0-9, warpgroup 1: 16-25). One launch per walk kind (output, output + tape,
 tape, bare), equal chains, planned full.
@@ -22,9 +22,9 @@ def main():
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--heads", type=int, default=32)
     args = ap.parse_args()
-    library = registry.library  # the walks below are planned full: kda_fwd_tape/full -> full_prof
+    library = registry.library  # the walks below are planned full: kda_fwd_walk/full -> full_prof
     registry.library = lambda program, form="default": library(
-        program, "full_prof" if (program, form) == ("kda_fwd_tape", "full") else form)
+        program, "full_prof" if (program, form) == ("kda_fwd_walk", "full") else form)
     q, k, v, g, beta, cu = inputs([CHUNK * args.chunks] * args.docs, args.heads)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     h0 = torch.randn(args.docs, args.heads, 128, 128, device="cuda")

@@ -1,5 +1,5 @@
-"""Where the state walks' step time goes: one full-width launch of kda_fwd_tape (with and without the
-output stage, with and without the fp32 tape) and of kda_bwd_tape, over equal chains, for chain counts
+"""Where the state walks' step time goes: one full-width launch of kda_fwd_walk (with and without the
+output stage, with and without the fp32 tape) and of kda_bwd_walk, over equal chains, for chain counts
 and head counts that separate the per-CTA latency (few chains) from what the chains share (HBM, L2:
 many chains) and from the [T, H, 128] layout (a chunk's rows of one head are H * 256 B apart).
 Prints microseconds per chunk step (launch median / chunks per chain; every chain has its own SM).

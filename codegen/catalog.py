@@ -41,10 +41,10 @@ _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "d
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
                                          "aqk", "gamma")),
-    "kda_fwd_tape": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
+    "kda_fwd_walk": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
     "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
     # without dtape the offset walk (the entering-state gradients context parallelism sends)
-    "kda_bwd_tape": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma"),
+    "kda_bwd_walk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma"),
                             need_one=("dtape", "dinitial_state")),
     "kda_bwd_chunk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "dtape", "v", "u",
                                          "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
@@ -164,22 +164,22 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     # the split form so was serialized by ptxas (registers at two CTAs per SM) and slower (Q6 forward
     # 19.10 -> 19.63), so split and quarter keep the warpgroup roles. Every form of either kind computes
     # every element bitwise the same (docs/forward.md; the forms tests check it).
-    Record(program="kda_fwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
+    Record(program="kda_fwd_walk", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "vsplit": True, "profile": False},
            select="the fit rule (kda_aot/schedule/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks (128 value columns), output "
                 "fused; warpgroup g: W S, Q S, V', Aqk V' and O for value columns 64 g .., its state rows' update"),
-    Record(program="kda_fwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
+    Record(program="kda_fwd_walk", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
                                                          "vsplit": False, "profile": False},
            select="the fit rule (kda_aot/schedule/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM; warpgroup 0: "
                 "W S and V', warpgroup 1: Q S and O, each its half of the state update"),
-    Record(program="kda_fwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
+    Record(program="kda_fwd_walk", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
                                                            "vsplit": False, "profile": False},
            select="the fit rule (kda_aot/schedule/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each; warpgroup roles as split"),
-    Record(program="kda_fwd_tape", form="full_prof", params={"threads": 256, "columns": 128, "stages": 2,
+    Record(program="kda_fwd_walk", form="full_prof", params={"threads": 256, "columns": 128, "stages": 2,
                                                              "min_blocks": 1, "vsplit": True, "profile": True},
            select="bench/walk_profile.py only: `full` writing clock64 cycles per phase of a step",
            grid="as full", shipped=False),
@@ -189,15 +189,15 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     # (Q1), 13.33 -> 11.19 (Q2), 17.90 -> 15.10 ms (Q6). Its split form spilled at two CTAs per SM and
     # the steps that pick split (Q2, Q6) ran 3 % slower with it: split and quarter stay on mma.sync.
     # Bitwise equal across the kinds (docs/backward.md; the forms tests check it).
-    Record(program="kda_bwd_tape", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
+    Record(program="kda_bwd_walk", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "wgmma": True},
            select="the fit rule (kda_aot/schedule/fit.py): many chains (more than SM/2 for equal lengths)",
            grid="(N segments, H) CTAs of 256 threads; one CTA walks a segment's chunks backwards, 128 value columns"),
-    Record(program="kda_bwd_tape", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
+    Record(program="kda_bwd_walk", form="split", params={"threads": 256, "columns": 64, "stages": 1, "min_blocks": 2,
                                                         "wgmma": False},
            select="the fit rule (kda_aot/schedule/fit.py): few long chains; bitwise equal to `full`",
            grid="(N segments, H, 2) CTAs of 256 threads; 64 value columns each, two resident per SM"),
-    Record(program="kda_bwd_tape", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
+    Record(program="kda_bwd_walk", form="quarter", params={"threads": 256, "columns": 32, "stages": 2, "min_blocks": 1,
                                                         "wgmma": False},
            select="the fit rule (kda_aot/schedule/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",

@@ -109,9 +109,9 @@ def test_kda_bindings_come_from_their_argument_struct(monkeypatch):
             assert template in (catalog._FWD_ARGS, catalog._BWD_ARGS), rec.program
             text = render_record(rec).files[f"generated/{record_hash(rec)[:16]}_binding.cpp"]
             assert ", ".join(f'"{n}"' for n in rec.binding.needs) in text
-    rec = next(r for r in RECORDS if r.program == "kda_fwd_tape")
+    rec = next(r for r in RECORDS if r.program == "kda_fwd_walk")
     base = record_hash(rec)
-    monkeypatch.setitem(catalog.BINDINGS, "kda_fwd_tape", replace(rec.binding, needs=rec.binding.needs[:-1]))
+    monkeypatch.setitem(catalog.BINDINGS, "kda_fwd_walk", replace(rec.binding, needs=rec.binding.needs[:-1]))
     assert record_hash(rec) != base
 
 
@@ -156,8 +156,8 @@ def test_included_template_variants_are_hash_inputs():
     """A walk's step kinds live in files of their own, `{% include %}`d by its kernel template: each is
     a dependency of every record of the program (a change to either changes the hash)."""
     from codegen.hashing import dependencies
-    for program, files in (("kda_fwd_tape", ("step_column_halves", "step_roles")),
-                           ("kda_bwd_tape", ("wgmma_stage", "wgmma_walk", "mma_stage", "mma_walk"))):
+    for program, files in (("kda_fwd_walk", ("step_column_halves", "step_roles")),
+                           ("kda_bwd_walk", ("wgmma_stage", "wgmma_walk", "mma_stage", "mma_walk"))):
         for rec in (r for r in RECORDS if r.program == program):
             deps = dependencies(rec)
             for name in files:

@@ -50,81 +50,81 @@ def test_forced_walk_form_and_unmeasured_rho(monkeypatch, kda_options, caplog):
     fit._decide.cache_clear()
     monkeypatch.setattr(fit, "measured_rho", lambda: {})
     with caplog.at_level(logging.INFO, logger="kda_aot.schedule.fit"):
-        assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
+        assert fit.plan_walk("kda_fwd_walk", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
     assert "rho not measured" in caplog.text
-    assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "split") == (("split", 0, 2),)
+    assert fit.plan_walk("kda_fwd_walk", (1585, 641), 32, 132, "split") == (("split", 0, 2),)
     kda_options(walk_form="split")
-    assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132) == (("split", 0, 2),)
-    assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132, "quarter") == (("quarter", 0, 2),)
+    assert fit.plan_walk("kda_fwd_walk", (3, 3), 1, 132) == (("split", 0, 2),)
+    assert fit.plan_walk("kda_fwd_walk", (3, 3), 1, 132, "quarter") == (("quarter", 0, 2),)
     with pytest.raises(ValueError, match="walk_form: expected one of"):
-        fit.plan_walk("kda_fwd_tape", (3,), 1, 132, "half")
+        fit.plan_walk("kda_fwd_walk", (3,), 1, 132, "half")
 
 
 def test_measured_rho_decides_and_decisions_are_cached(monkeypatch):
     q1 = (1585, 641, 1216, 465)
     fit._decide.cache_clear()
-    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (0.55, 0.55)})
-    assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("split", 0, 4),)
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_walk": (0.55, 0.55)})
+    assert fit.plan_walk("kda_fwd_walk", q1, 32, 132, "auto") == (("split", 0, 4),)
     hits = fit._decide.cache_info().hits
-    assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("split", 0, 4),)
+    assert fit.plan_walk("kda_fwd_walk", q1, 32, 132, "auto") == (("split", 0, 4),)
     assert fit._decide.cache_info().hits == hits + 1  # the second launch is a dictionary lookup
     fit._decide.cache_clear()
-    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.05, 0.6)})
-    assert fit.plan_walk("kda_fwd_tape", q1, 1, 132, "auto") == (("split", 0, 4),)   # 4 chains: alone
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_walk": (1.05, 0.6)})
+    assert fit.plan_walk("kda_fwd_walk", q1, 1, 132, "auto") == (("split", 0, 4),)   # 4 chains: alone
     fit._decide.cache_clear()
 
 
 def test_mixed_plans(monkeypatch):
     """The k longest documents split, the rest full on the SMs left over, one launch per run."""
     fit._decide.cache_clear()
-    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.15, 0.62)})
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_walk": (1.15, 0.62)})
     q1 = (1585, 641, 1216, 465)
     # Q1 at 32 heads: the 1,585-chunk document split on 64 SMs (0.62 x 1585 = 983), the other 96
     # chains full on the other 68 SMs in launch order (641, 1216, 465 per head): 68 start at once,
     # a 1,216-chunk chain queues behind a 641-chunk one (1857). Longest first would give 1216 and
     # pick this plan; the H200 ran it 8 % slower than full (docs/fit_rule.md): full it is.
     assert fit.mixed_makespan(q1, 32, 132, {0}, 0.62) == pytest.approx(641.0 + 1216.0)
-    assert fit.plan_walk("kda_fwd_tape", q1, 32, 132, "auto") == (("full", 0, 4),)
+    assert fit.plan_walk("kda_fwd_walk", q1, 32, 132, "auto") == (("full", 0, 4),)
     # Q4 at 32 heads: 64 full chains on 68 free SMs, no queue: the mixed plan
-    assert fit.plan_walk("kda_fwd_tape", (1875, 1253, 625), 32, 132, "auto") == (("split", 0, 1), ("full", 1, 3))
+    assert fit.plan_walk("kda_fwd_walk", (1875, 1253, 625), 32, 132, "auto") == (("split", 0, 1), ("full", 1, 3))
     # no SM left for the full chains: not a candidate
     assert fit.mixed_makespan(q1, 33, 132, {0, 2}, 0.62) is None
     # the longest in the middle: three runs
-    assert fit.plan_walk("kda_fwd_tape", (1025, 193, 1563, 487, 625, 205), 32, 132, "auto") == \
+    assert fit.plan_walk("kda_fwd_walk", (1025, 193, 1563, 487, 625, 205), 32, 132, "auto") == \
         (("full", 0, 2), ("split", 2, 3), ("full", 3, 6))
     # equal lengths, many chains: full (no idle SMs to win)
-    assert fit.plan_walk("kda_fwd_tape", (797, 797, 797, 813, 782), 32, 132, "auto") == (("full", 0, 5),)
+    assert fit.plan_walk("kda_fwd_walk", (797, 797, 797, 813, 782), 32, 132, "auto") == (("full", 0, 5),)
     # more runs than MAX_RUNS are never planned: splitting the six long documents of an alternating
     # pack at 8 heads (96 split CTAs, 48 full chains on 36 SMs) would beat uniform full but takes 12 runs
     alternating = tuple([1000, 10] * 6)
     assert fit.mixed_makespan(alternating, 8, 132, {0, 2, 4, 6, 8, 10}, 0.62) == pytest.approx(620.0)
-    assert fit.plan_walk("kda_fwd_tape", alternating, 8, 132, "auto") == (("full", 0, 12),)
+    assert fit.plan_walk("kda_fwd_walk", alternating, 8, 132, "auto") == (("full", 0, 12),)
     assert fit.runs_of(["full", "split", "split", "full"]) == (("full", 0, 1), ("split", 1, 3), ("full", 3, 4))
     # a mixed plan must beat the best uniform one by 5 % (its extra launches and stream fork/join):
     # 1000 vs 960 steps (4 %) stays uniform, 1000 vs 900 (10 %) goes mixed
     assert fit.mixed_makespan((1000, 960, 960), 32, 132, {0}, 0.62) == pytest.approx(960.0)
-    assert fit.plan_walk("kda_fwd_tape", (1000, 960, 960), 32, 132, "auto") == (("full", 0, 3),)
-    assert fit.plan_walk("kda_fwd_tape", (1000, 900, 900), 32, 132, "auto") == (("split", 0, 1), ("full", 1, 3))
+    assert fit.plan_walk("kda_fwd_walk", (1000, 960, 960), 32, 132, "auto") == (("full", 0, 3),)
+    assert fit.plan_walk("kda_fwd_walk", (1000, 900, 900), 32, 132, "auto") == (("split", 0, 1), ("full", 1, 3))
     fit._decide.cache_clear()
 
 
 def test_quarter_form_when_measured(monkeypatch):
     """quarter enters `auto` with a measured rho_quarter_alone, and only when each of its CTAs gets
     an SM of its own (4 x chains <= SMs)."""
-    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_tape": (1.15, 0.62, 0.4)})
-    assert fit.plan_walk("kda_fwd_tape", (2000,), 32, 132, "auto") == (("quarter", 0, 1),)   # 128 CTAs
-    assert fit.plan_walk("kda_fwd_tape", (2000,), 40, 132, "auto") == (("split", 0, 1),)     # 160 > 132
+    monkeypatch.setattr(fit, "measured_rho", lambda: {"kda_fwd_walk": (1.15, 0.62, 0.4)})
+    assert fit.plan_walk("kda_fwd_walk", (2000,), 32, 132, "auto") == (("quarter", 0, 1),)   # 128 CTAs
+    assert fit.plan_walk("kda_fwd_walk", (2000,), 40, 132, "auto") == (("split", 0, 1),)     # 160 > 132
 
 
 def test_quarter_step_cost_is_read_only_where_quarter_ships(monkeypatch, tmp_path):
     params = tmp_path / "fit_params.json"
-    params.write_text('{"programs": {"kda_fwd_tape": {"rho": 1.15, "rho_alone": 0.62, "rho_quarter_alone": 0.4}}}')
+    params.write_text('{"programs": {"kda_fwd_walk": {"rho": 1.15, "rho_alone": 0.62, "rho_quarter_alone": 0.4}}}')
     monkeypatch.setattr(fit, "PARAMS_FILE", params)
     monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset())
-    assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, None)       # quarter not shipped: ignored
-    monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset({"kda_fwd_tape"}))
+    assert fit.measured_rho()["kda_fwd_walk"] == (1.15, 0.62, None)       # quarter not shipped: ignored
+    monkeypatch.setattr(fit, "QUARTER_SHIPPED", frozenset({"kda_fwd_walk"}))
     fit.measured_rho.cache_clear()
-    assert fit.measured_rho()["kda_fwd_tape"] == (1.15, 0.62, 0.4)
+    assert fit.measured_rho()["kda_fwd_walk"] == (1.15, 0.62, 0.4)
 
 
 def test_quarter_shipped_matches_the_wheel_manifest():
@@ -140,8 +140,8 @@ def test_the_package_carries_the_measured_step_costs():
     assert fit.params_file("NVIDIA H200") == Path(fit.__file__).parent / "fit_params" / "nvidia_h200.json"
     assert fit.gpu_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
     if fit.current_gpu() == fit.MEASURED_GPU:
-        assert {"kda_fwd_tape", "kda_bwd_tape"} <= set(fit.measured_rho())
-        assert fit.walk_step_us("kda_fwd_tape") > 0
+        assert {"kda_fwd_walk", "kda_bwd_walk"} <= set(fit.measured_rho())
+        assert fit.walk_step_us("kda_fwd_walk") > 0
         assert fit.pipeline_params()["chunk_stage_slowdown_beside_walk"] == {1: 2.0, 2: 3.4}
 
 
@@ -151,9 +151,9 @@ def test_missing_params_file_is_an_error(monkeypatch, tmp_path):
     monkeypatch.setattr(fit, "current_gpu", lambda: fit.MEASURED_GPU)
     fit._decide.cache_clear()
     with pytest.raises(FileNotFoundError, match=r"nvidia_h200.json is missing"):
-        fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto")
+        fit.plan_walk("kda_fwd_walk", (1585, 641), 32, 132, "auto")
     with pytest.raises(FileNotFoundError, match=r"nvidia_h200.json is missing"):
-        fit.walk_step_us("kda_fwd_tape")
+        fit.walk_step_us("kda_fwd_walk")
 
 
 def test_a_gpu_without_a_table_runs_on_the_defaults(monkeypatch, tmp_path, caplog):
@@ -166,10 +166,10 @@ def test_a_gpu_without_a_table_runs_on_the_defaults(monkeypatch, tmp_path, caplo
     fit.pipelined_walk_sms.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kda_aot.schedule.fit"):
-            assert fit.plan_walk("kda_fwd_tape", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
+            assert fit.plan_walk("kda_fwd_walk", (1585, 641), 32, 132, "auto") == (("full", 0, 2),)
         assert "no table for this GPU (nvidia_b200.json)" in caplog.text
-        assert fit.pipeline_params() == {} and fit.walk_step_us("kda_fwd_tape") is None
-        assert fit.pipelined_walk_sms("kda_fwd_tape", (3125, 779), 32, 132, 0) == 32
+        assert fit.pipeline_params() == {} and fit.walk_step_us("kda_fwd_walk") is None
+        assert fit.pipelined_walk_sms("kda_fwd_walk", (3125, 779), 32, 132, 0) == 32
     finally:
         fit._decide.cache_clear()
         fit.measured_rho.cache_clear()
@@ -213,48 +213,48 @@ def test_pipelined_walk_sms(monkeypatch):
     fit.pipelined_walk_sms.cache_clear()
     # many short documents, four groups: the chains outnumber the SMs anyway
     short = tuple([20] * 400)
-    assert [fit.pipelined_walk_sms("kda_fwd_tape", short, 32, 132, i) for i in range(4)] == [132] * 4
-    assert fit.pipelined_walk_sms("kda_fwd_tape", short, 1, 132, 0) == 100  # 100 chains of one head
+    assert [fit.pipelined_walk_sms("kda_fwd_walk", short, 32, 132, i) for i in range(4)] == [132] * 4
+    assert fit.pipelined_walk_sms("kda_fwd_walk", short, 1, 132, 0) == 100  # 100 chains of one head
     # Q1 at 32 heads: every walk restricted (20.30 ms forward; all on every SM: 23.44), the last one too
     # since it runs in pieces beside the others (every SM 13.98 ms, one per chain 13.64)
     q1 = (1585, 641, 1216, 465)
     assert fit.last_group_pieces(q1) == [3442, 3558, 3674, 3790, 3907]
-    assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
+    assert [fit.pipelined_walk_sms("kda_fwd_walk", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
     # on half the SMs (not measured: the rule's arithmetic) the forward's third walk (1,216 chunks, 465
     # after it) stays critical on all 66 beside the lean chunk stage's rest
-    assert [fit.pipelined_walk_sms(p, q1, 32, 66, i) for p in ("kda_fwd_tape", "kda_bwd_tape")
+    assert [fit.pipelined_walk_sms(p, q1, 32, 66, i) for p in ("kda_fwd_walk", "kda_bwd_walk")
             for i in range(3)] == [32, 32, 66, 32, 32, 32]
     # the replay (two walks at once, each on half the SMs): Q2's last document (1,193 chunks) starts its
     # walks while the first one's (2,344) still hold 32 SMs each: the other 34, so full (split beside
     # them: 70.60 against 67.10 ms); Q1's earlier walks are predicted done by then: every SM of the half
     q2 = (2344, 1193)
-    for p in ("kda_fwd_tape", "kda_bwd_tape"):
+    for p in ("kda_fwd_walk", "kda_bwd_walk"):
         assert fit.pipelined_walk_sms(p, q2, 32, 66, 1, 2) == 34
         assert fit.plan_walk(p, q2[1:], 32, 34, "auto") == (("full", 0, 1),)
         assert fit.pipelined_walk_sms(p, q1, 32, 66, 3, 2) == 66
     # Q6 (200,000 + 49,856 tokens): the long document's walk, with 20 % of the chunk stage after it,
     # gets every SM (quarter CTAs, 4 x 32 <= 132): 28.25 -> 23.29 ms forward
     q6 = (3125, 779)
-    assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
-    assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 132  # in pieces, beside that walk
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0) == 132
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 1) == 132  # in pieces, beside that walk
     # CP: a rank's only chain, sent and cut in pieces (pieced_group): one SM per chain, as a last group in
     # pieces (CP2 Q2 contiguous rank 0: 1,769 chunks); whole, it would get every SM
-    assert fit.pipelined_walk_sms("kda_fwd_tape", (1769,), 32, 132, 0, 1, (0,), True) == 32
-    assert fit.pipelined_walk_sms("kda_fwd_tape", (1769,), 32, 132, 0, 1, (0,)) == 132
+    assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,), True) == 32
+    assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,)) == 132
     fit._decide.cache_clear()
-    assert fit.plan_walk("kda_fwd_tape", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
+    assert fit.plan_walk("kda_fwd_walk", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs
     # (walks of 40 chunks beside most of the chunk stage) keep their own SMs
     tail = (3000,) + (40,) * 200
     assert fit.plan_pipeline(tail) == ((0, 1), (1, 64), (64, 133), (133, 201))
-    assert [fit.pipelined_walk_sms("kda_fwd_tape", tail, 1, 132, i) for i in range(4)] == [132, 63, 69, 132]
+    assert [fit.pipelined_walk_sms("kda_fwd_walk", tail, 1, 132, i) for i in range(4)] == [132, 63, 69, 132]
     # a GPU without a table: every group's walk but the last keeps its own SMs
     monkeypatch.setattr(fit, "pipeline_params", lambda: {})
     fit.pipelined_walk_sms.cache_clear()
     try:
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 32
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 1) == 32  # in pieces, the others restricted
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 1, 2) == 66  # the replay's: whole, every SM
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0) == 32
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 1) == 32  # in pieces, the others restricted
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 1, 2) == 66  # the replay's: whole, every SM
     finally:
         fit.pipelined_walk_sms.cache_clear()
 
@@ -284,12 +284,12 @@ def test_pipeline_slowdown_by_walks_beside(monkeypatch):
     monkeypatch.setattr(fit, "pipeline_params", lambda: dict(costs, chunk_stage_slowdown_beside_walk={1: 1.7, 2: 3.4}))
     fit.pipelined_walk_sms.cache_clear()
     try:
-        assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
-        assert [fit.pipelined_walk_sms("kda_fwd_tape", q1, 32, 66, i, 2) for i in range(4)] == [32, 32, 32, 66]
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q2, 32, 132, 0) == 132
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q2, 32, 66, 0, 2) == 32
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 132, 0) == 132
-        assert fit.pipelined_walk_sms("kda_fwd_tape", q6, 32, 66, 0, 2) == 66
+        assert [fit.pipelined_walk_sms("kda_fwd_walk", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
+        assert [fit.pipelined_walk_sms("kda_fwd_walk", q1, 32, 66, i, 2) for i in range(4)] == [32, 32, 32, 66]
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q2, 32, 132, 0) == 132
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q2, 32, 66, 0, 2) == 32
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0) == 132
+        assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 0, 2) == 66
     finally:
         fit.pipelined_walk_sms.cache_clear()
 

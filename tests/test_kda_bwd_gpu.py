@@ -1,6 +1,6 @@
 """KDA backward kernels on the GPU against the explicit fp64 reference backward.
 
-The state-gradient walk (kda_bwd_tape) runs on our forward's bf16 intermediates and is compared
+The state-gradient walk (kda_bwd_walk) runs on our forward's bf16 intermediates and is compared
 with reference.kda_bwd_state_walk on the fp64 forward: relative RMS error < 1e-2, the same
 budget as the forward (bf16 intermediates and bf16 operand copies of dS; fp32 accumulation and
 an fp32 dS). Outputs are poisoned with NaN first.
@@ -223,7 +223,7 @@ def test_gate_forms_match_shipped(form):
 @pytest.mark.parametrize("H", [1, 32, 64])
 @pytest.mark.parametrize("form", ["split", "quarter"])
 def test_bwd_walk_forms_are_bitwise_equal(chains, H, form):
-    """kda_bwd_tape/split (two CTAs of 64 value columns) and /quarter (four of 32) compute every
+    """kda_bwd_walk/split (two CTAs of 64 value columns) and /quarter (four of 32) compute every
     element as `full` does, though full's products run on wgmma and theirs on mma.sync: the fit rule
     may pick any form for any launch. Outputs poisoned first."""
     lens = CHAIN_PACKS[chains]
@@ -266,7 +266,7 @@ def test_mixed_walk_plans_are_bitwise_the_uniform_walk(monkeypatch, plan):
                         pipeline=False)
     mix_b = chunk_kda_bwd_walk(mix[2], dout, dht,
                                out={"dtape": poisoned(ref_b[0]), "dinitial_state": poisoned(ref_b[1])})
-    assert calls == ["kda_fwd_tape", "kda_bwd_tape"]  # the plan was the one launched
+    assert calls == ["kda_fwd_walk", "kda_bwd_walk"]  # the plan was the one launched
     assert torch.equal(ref[0], mix[0]) and torch.equal(ref[1], mix[1])
     assert torch.equal(ref[2]["tape"], mix[2]["tape"]) and torch.equal(ref[2]["vnew"], mix[2]["vnew"])
     assert torch.equal(ref_b[0], mix_b[0]) and torch.equal(ref_b[1], mix_b[1])

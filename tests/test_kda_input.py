@@ -97,8 +97,8 @@ def test_chunk_table():
 def test_backward_walk_binding_checks():
     q, k, v, g, b, cu = good()
     T, H = q.shape[1], q.shape[2]
-    lib = registry.library("kda_bwd_tape", "full")
-    with pytest.raises(TypeError, match="chunks: a tensor is required by kda_bwd_tape/full"):
+    lib = registry.library("kda_bwd_walk", "full")
+    with pytest.raises(TypeError, match="chunks: a tensor is required by kda_bwd_walk/full"):
         lib.launch({"dout": describe(q, "dout")}, 1.0, 0)
     chunks, segs = chunk_table([0, 5, T])
     bf = dict(device=DEV, dtype=torch.bfloat16)
@@ -110,7 +110,7 @@ def test_backward_walk_binding_checks():
     with pytest.raises(TypeError, match="dout: expected dtype bfloat16"):
         lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
     nothing = {n: describe(x, n) for n, x in full.items() if n != "dtape"}  # the offset walk with no output
-    with pytest.raises(TypeError, match="kda_bwd_tape/full: expected a tensor for dtape or dinitial_state"):
+    with pytest.raises(TypeError, match="kda_bwd_walk/full: expected a tensor for dtape or dinitial_state"):
         lib.launch(nothing, 1.0, 0)
     bad = dict(full, dtape=full["dtape"][:1])
     with pytest.raises(ValueError, match=r"dtape: expected shape \[n_chunks, H, 128, 128\]"):

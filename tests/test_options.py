@@ -42,7 +42,7 @@ def test_using_nests_and_restores():
         with options.using(pipeline=False):
             assert options.current() == base.replace(walk_form="split", pipeline=False)
         assert options.current() == outer
-        assert fit.plan_walk("kda_fwd_tape", (3, 3), 1, 132) == (("split", 0, 2),)
+        assert fit.plan_walk("kda_fwd_walk", (3, 3), 1, 132) == (("split", 0, 2),)
     assert options.current() == base
     with pytest.raises(RuntimeError):
         with options.using(Options(walk_form="full")):

@@ -95,7 +95,7 @@ def _gate(t):
             t["dbeta"][0, sl] = t["dakk"][0, sl].float().mean(-1) + t["beta"][0, sl].float() + t["dbeta_v"][0, sl]
 
 
-_PROGRAMS = {"kda_fwd_chunk": _fwd_chunk, "kda_fwd_tape": _fwd_walk, "kda_bwd_tape": _bwd_walk,
+_PROGRAMS = {"kda_fwd_chunk": _fwd_chunk, "kda_fwd_walk": _fwd_walk, "kda_bwd_walk": _bwd_walk,
              "kda_bwd_chunk": _bwd_chunk, "kda_bwd_gate": _gate}
 
 

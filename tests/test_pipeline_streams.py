@@ -57,7 +57,7 @@ class _World:
             for t0, t1 in rows:
                 for t in range(t0, t1):
                     self.token_writer[t] = me
-        elif program == "kda_fwd_tape":
+        elif program == "kda_fwd_walk":
             for a, b in emu._segments(desc):
                 for c in range(a, b):
                     for t in (rows[c][0], rows[c][1] - 1):

@@ -28,7 +28,7 @@ def test_forward_plans_cover_every_chunk_once(lengths):
     plan = forward_plan(lengths, 32, 132)
     covered(plan)
     assert plan.groups == tuple(fit.plan_pipeline(lengths))
-    assert len(dict(plan.walk_sms)["kda_fwd_tape"]) == len(plan.groups)
+    assert len(dict(plan.walk_sms)["kda_fwd_walk"]) == len(plan.groups)
 
 
 def test_q1_forward_plan():
@@ -61,7 +61,7 @@ def test_replay_plan_orders_pieces_from_both_ends():
     n = len(plan.pieces.bounds) - 1
     assert plan.pieces.order[:4] == (0, n - 1, 1, n - 2)
     assert sorted(plan.pieces.order) == list(range(n))
-    assert plan.sms == 66 and {prog for prog, _ in plan.walk_sms} == {"kda_fwd_tape", "kda_bwd_tape"}
+    assert plan.sms == 66 and {prog for prog, _ in plan.walk_sms} == {"kda_fwd_walk", "kda_bwd_walk"}
     assert replay_plan(Q1, 32, 132).pieces is None              # one GPU: no pieces in the replay
 
 
@@ -70,7 +70,7 @@ def test_explain_command():
     out = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "Q1", "32"], cwd=root,
                          capture_output=True, text=True, check=True).stdout
     assert "forward plan: 4 segments of [1585, 641, 1216, 465] chunks" in out and "replay plan" in out
-    assert "group 3 kda_fwd_tape:" in out and "group 3 kda_bwd_tape:" in out
+    assert "group 3 kda_fwd_walk:" in out and "group 3 kda_bwd_walk:" in out
     lens = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "100,1,5000", "4"], cwd=root,
                           capture_output=True, text=True, check=True).stdout
     assert lens.startswith("pack: 3 documents, 5101 tokens")

@@ -1,6 +1,6 @@
 """Study (CPU): the KDA kernels' roundings emulated in torch, against the fp64 reference.
 
-Emulates the shipped forward (kda_fwd_chunk/lean, kda_fwd_tape) and backward (kda_bwd_tape,
+Emulates the shipped forward (kda_fwd_chunk/lean, kda_fwd_walk) and backward (kda_bwd_walk,
 kda_bwd_chunk/prefetch, kda_bwd_gate/split_staged) at their rounding points: what is rounded to bf16
 where, what is accumulated in fp32, which operands are bf16 hi + lo, which exps are ex2.approx.ftz
 (fp32 exp2 with subnormal results flushed), with the kernels' anchors (so strong gates overflow here
@@ -91,11 +91,11 @@ SHIPPED = {
                              # to W's accumulator in fp32 ('t_diag')
     "entering": "decay",     # the initial state / dh0 times kda.entering_decay when g is floored (the op does)
     "w": "bf16", "u": "bf16", "qg": "bf16", "kg": "bf16",
-    # kda_fwd_tape
+    # kda_fwd_walk
     "s_op": "bf16",          # the state as a product operand
     "vnew": "bf16",          # V' as a product operand (and the saved V')
     "o_acc": "one",          # O = Qg S + Aqk V' in one fp32 accumulator
-    # kda_bwd_tape
+    # kda_bwd_walk
     "ds_op": "bf16", "ndv": "bf16",
     "bw_w": "stored",        # the backward walk's W, Qg, Kg operands: the stored bf16 tiles ('stored'), or the
     "bw_qg": "stored",       # chunk stage's unrounded fp32 values as 'fp32' / 'hilo' operands (the walk alone)

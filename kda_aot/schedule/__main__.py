@@ -32,8 +32,8 @@ def main(argv=None):
     chains = [-(-n // CHUNK) for n in lengths if n > 0]
     print(f"pack: {len(lengths)} documents, {sum(lengths)} tokens, {sum(chains)} chunks; H = {heads}, "
           f"{args.sms} SMs")
-    for plan, programs in ((forward_plan(chains, heads, args.sms), ("kda_fwd_tape",)),
-                           (replay_plan(chains, heads, args.sms), ("kda_fwd_tape", "kda_bwd_tape"))):
+    for plan, programs in ((forward_plan(chains, heads, args.sms), ("kda_fwd_walk",)),
+                           (replay_plan(chains, heads, args.sms), ("kda_fwd_walk", "kda_bwd_walk"))):
         print(plan.explain())
         for g, (a, b) in enumerate(plan.groups):
             for prog in programs:

@@ -26,7 +26,7 @@ def _check_dout(dout, q):
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, need_dtape=True,
                        out=None, walk_form=None, sm_count=None, pool=None):
-    """Backward state walk (kda_bwd_tape) over the intermediates of chunk_kda_fwd: returns
+    """Backward state walk (kda_bwd_walk) over the intermediates of chunk_kda_fwd: returns
     (dtape [n_chunks, H, 128, 128] fp32 = gradient of the state at each chunk END, or None,
     d_initial_state [N, H, 128, 128] fp32 or None). need_dtape=False: the offset walk (context
     parallelism's entering-state gradients: no tape written; the binding refuses a call that asks
@@ -44,7 +44,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
              dtape=out_or(out, "dtape", lambda: torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, **f32)) if need_dtape else None,
              dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, **f32))
                              if need_dinitial_state else None))
-    kda._launch_walk("kda_bwd_tape", t, saved["chain_lengths"], H, scale, q.device, walk_form, sm_count, pool)
+    kda._launch_walk("kda_bwd_walk", t, saved["chain_lengths"], H, scale, q.device, walk_form, sm_count, pool)
     return t["dtape"], t["dinitial_state"]
 
 
@@ -116,7 +116,7 @@ def _gate_result(t: dict, dv, dh0) -> tuple:
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
     """Every input gradient from a forward run with save_tape=True: the backward walk
-    (kda_bwd_tape), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
+    (kda_bwd_walk), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
@@ -165,7 +165,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
         for a, b in runs:
             chunk_kda_bwd_walk(kda.segments_view(saved, a, b), dout, dfinal_state[a:b],
                                out={"dtape": dtape, "dinitial_state": dh0[a:b]}, sm_count=sm_count,
-                               pool="kda_bwd_tape/rewalk")
+                               pool="kda_bwd_walk/rewalk")
     if sms is None:
         walk_again()
         _launch_bwd_chunk(t, form)
@@ -322,8 +322,8 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
             with torch.cuda.stream(streams[0]):
                 kda.chunk_kda_walk(kda.piece_view(prepared, a, chunks, bounds, r), initial_state=start,
                                output_final_state=r < n - 1, save_tape=True, out=run_out, want_output=False,
-                               sm_count=plan.sms_of("kda_fwd_tape", i),
-                               pool=f"kda_fwd_tape/replay{i}")
+                               sm_count=plan.sms_of("kda_fwd_walk", i),
+                               pool=f"kda_fwd_walk/replay{i}")
             walked["fwd"] += 1
         while a not in skip_bwd and walked["bwd"] >= 0 and walked["bwd"] in produced:
             r = walked["bwd"]
@@ -332,8 +332,8 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
             with torch.cuda.stream(streams[1]):
                 chunk_kda_bwd_walk(kda.piece_view(prepared, a, chunks, bounds, r), do, end,
                                    out={"dtape": dtape, "dinitial_state": into},
-                                   sm_count=plan.sms_of("kda_bwd_tape", i),
-                                   pool=f"kda_bwd_tape/replay{i}")
+                                   sm_count=plan.sms_of("kda_bwd_walk", i),
+                                   pool=f"kda_bwd_walk/replay{i}")
             walked["bwd"] -= 1
 
     def walks(i, a, b, streams, piece=None):
@@ -343,14 +343,14 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
         with torch.cuda.stream(streams[0]):
             kda.chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
                            out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
-                           sm_count=plan.sms_of("kda_fwd_tape", i),
-                           pool=f"kda_fwd_tape/replay{i}")
+                           sm_count=plan.sms_of("kda_fwd_walk", i),
+                           pool=f"kda_fwd_walk/replay{i}")
         with torch.cuda.stream(streams[1]):
             for ra, rb in kda.segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
                 chunk_kda_bwd_walk(kda.segments_view(prepared, ra, rb), do, None if dht is None else dht[ra:rb],
                                    out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
-                                   sm_count=plan.sms_of("kda_bwd_tape", i),
-                                   pool=f"kda_bwd_tape/replay{i}")
+                                   sm_count=plan.sms_of("kda_bwd_walk", i),
+                                   pool=f"kda_bwd_walk/replay{i}")
     kda._pipelined(prepared, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, plan, piece_chunks)
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 

@@ -43,7 +43,7 @@ from .. import options
 # has rho_quarter_alone and whose quarter record ships (QUARTER_SHIPPED, checked against build.json
 # by tests/test_fit.py), and only when every quarter CTA gets an SM of its own.
 FORMS = options.WALK_FORMS[1:]  # full, split, quarter
-QUARTER_SHIPPED: frozenset = frozenset({"kda_fwd_tape", "kda_bwd_tape"})  # quarter in build.json
+QUARTER_SHIPPED: frozenset = frozenset({"kda_fwd_walk", "kda_bwd_walk"})  # quarter in build.json
 PARAMS_DIR = Path(__file__).with_name("fit_params")
 MEASURED_GPU = "NVIDIA H200"  # the GPU whose table must ship
 PARAMS_FILE: Path | None = None  # a table to use instead of the current GPU's (tests, measure_rho --out)
@@ -402,7 +402,7 @@ def rewalk_beside(chain_lengths: tuple, rewalk: tuple, heads: int, sms: int) -> 
     walk holds); None: no such overlap pays (nothing else to run beside, more chains than SMs, a
     longer walk): the walk runs first, on every SM."""
     chains = heads * len(rewalk)
-    step, costs = walk_step_us("kda_bwd_tape"), pipeline_params()
+    step, costs = walk_step_us("kda_bwd_walk"), pipeline_params()
     others = sum(n for s, n in enumerate(chain_lengths) if s not in rewalk)
     if not rewalk or chains >= sms or step is None or not costs or others == 0:
         return None

@@ -3,9 +3,9 @@
 Shapes: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 (log decay per channel), beta [1, T, H]
 bf16, cu_seqlens [N + 1] (or its kda_aot._runtime.packing.PackTables), initial/final state [N, H, 128, 128]
 fp32, one row per segment (a non-empty document). The forward runs two programs: kda_fwd_chunk
-(chunk-parallel W, U, Aqk, ...) and kda_fwd_tape (the sequential state walk with the output stage
+(chunk-parallel W, U, Aqk, ...) and kda_fwd_walk (the sequential state walk with the output stage
 fused; it also writes the fp32 state at every chunk start and V' when the saved-context backward
-needs them). The backward runs kda_bwd_tape (the state-gradient walk), kda_bwd_chunk (plain
+needs them). The backward runs kda_bwd_walk (the state-gradient walk), kda_bwd_chunk (plain
 products) and kda_bwd_gate (gated products). The public op over both is kda_aot.ops.chunk_kda.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
 
 def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, device, walk_form, sm_count=None,
                  pool=None) -> tuple:
-    """Launch a state walk (kda_fwd_tape, kda_bwd_tape) over the tensors `t` as the fit rule plans it:
+    """Launch a state walk (kda_fwd_walk, kda_bwd_walk) over the tensors `t` as the fit rule plans it:
     one launch per run of segments of one form; several runs go on side streams that fork from and
     join the current stream, so they overlap. Split runs are launched first: the fit rule assumes
     their CTAs get SMs of their own and the full runs take the SMs left over. pool: the side-stream
@@ -208,7 +208,7 @@ def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool,
 
 def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=False, save_tape=False, out=None,
                    walk_form=None, want_output=True, sm_count=None, pool=None):
-    """The forward walk (kda_fwd_tape) over chunk_kda_prepare's result, output stage fused: returns
+    """The forward walk (kda_fwd_walk) over chunk_kda_prepare's result, output stage fused: returns
     (o or None, final_state or None, saved) with saved = prepared plus the tape and V' (save_tape).
     `out` may hold preallocated o, final_state, tape, vnew. sm_count: the SMs the fit rule plans
     for (default: the device's; the replay plans each of its two concurrent walks on half); pool: the
@@ -223,7 +223,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
                              output_final_state=output_final_state))
     if not save_tape:
         t["akk_inv"] = None
-    _launch_walk("kda_fwd_tape", t, prepared["chain_lengths"], H, t["scale"], q.device, walk_form, sm_count, pool)
+    _launch_walk("kda_fwd_walk", t, prepared["chain_lengths"], H, t["scale"], q.device, walk_form, sm_count, pool)
     return t["o"], t["final_state"], t
 
 
@@ -336,7 +336,7 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
 
     def walk(i, a, b, streams, piece=None):
         part = {name: x for name, x in full.items() if x is not None}
-        sm_count = plan.sms_of("kda_fwd_tape", i)
+        sm_count = plan.sms_of("kda_fwd_walk", i)
         # the group's segments but the deferred ones, in runs of consecutive segments
         runs = segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)) if deferred else [(a, b)]
         for ra, rb in runs:
@@ -355,11 +355,11 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
             with torch.cuda.stream(streams[0]):
                 chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape,
                                out=run_out, walk_form=walk_form, want_output=want_output, sm_count=sm_count,
-                               pool=f"kda_fwd_tape/pipeline{i}")
+                               pool=f"kda_fwd_walk/pipeline{i}")
 
     def walk_deferred(groups, streams):
         main = torch.cuda.current_stream(q.device)
-        on = _side_streams(q.device, 1, "kda_fwd_tape/exchange")[0] if exchange_beside else main
+        on = _side_streams(q.device, 1, "kda_fwd_walk/exchange")[0] if exchange_beside else main
         for i, (a, b) in enumerate(groups):  # the senders' final states, read on that stream
             if any(a <= s < b for s in first):
                 for side in streams[i]:
@@ -385,7 +385,7 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
                     chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
                                    output_final_state=True, save_tape=save_tape,
                                    out=dict(part, final_state=full["final_state"][ra:rb]), walk_form=walk_form,
-                                   want_output=want_output, pool="kda_fwd_tape/deferred")
+                                   want_output=want_output, pool="kda_fwd_walk/deferred")
                     start += n
         finally:
             if on is not main:

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 from . import fit
 
 # The walk programs each plan kind runs beside its chunk stage, and how many walks share the GPU.
-_WALKS = {"forward": ("kda_fwd_tape",), "replay": ("kda_fwd_tape", "kda_bwd_tape")}
+_WALKS = {"forward": ("kda_fwd_walk",), "replay": ("kda_fwd_walk", "kda_bwd_walk")}
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,11 @@ def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), defe
     groups = tuple(fit.plan_pipeline(lengths, first))
     chosen = fit.pieced_group(lengths, first, deferred, cp)
     pieces = None if chosen is None else Pieces(chosen[0], tuple(chosen[1]), tuple(range(len(chosen[1]) - 1)))
-    sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_tape", lengths, heads, sms, i, 1, first,
+    sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first,
                                           pieces is not None and i == pieces.group)
                    for i in range(len(groups)))
     return PipelinePlan("forward", lengths, int(heads), int(sms), groups, _launch_order(groups, pieces, first, cp),
-                        pieces, (("kda_fwd_tape", sms_of),), first, deferred)
+                        pieces, (("kda_fwd_walk", sms_of),), first, deferred)
 
 
 def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False) -> PipelinePlan:

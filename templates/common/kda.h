@@ -1,5 +1,5 @@
 // Launch arguments of the single-device chunked KDA forward programs (kda_fwd_chunk: the
-// chunk-parallel stage; kda_fwd_tape: the state walk with the output stage fused). Layouts follow flash-linear-attention's chunk_kda: token-major
+// chunk-parallel stage; kda_fwd_walk: the state walk with the output stage fused). Layouts follow flash-linear-attention's chunk_kda: token-major
 // [T, H, 128] for q, k, v, g and every per-token intermediate; chunk-major [n_chunks, H, ...] for
 // per-chunk tensors. bf16 data is passed as raw 16-bit words.
 #pragma once
@@ -36,7 +36,7 @@ struct KdaFwdArgs {
   uint16_t* aqk;                // [T, H, 64]  bf16  row i of the chunk's tril(Aqk)
   float* gamma;                 // [n_chunks, H, 128] fp32: Gamma at the chunk's last token
   uint16_t* akk_inv;            // [T, H, 64]  bf16  row i of the chunk's (I + L)^-1, or null (for the backward)
-  // kda_fwd_tape outputs
+  // kda_fwd_walk outputs
   uint16_t* o;                  // [T, H, 128] bf16
   float* final_state;           // [N, H, 128, 128] fp32 or null
   float* transfer;              // kcp_transfer output: [N, H, 128, 128] fp32 M = A_n ... A_1 per segment
@@ -48,7 +48,7 @@ struct KdaFwdArgs {
 
 namespace kda {
 
-// Launch arguments of the backward state walk (kda_bwd_tape).
+// Launch arguments of the backward state walk (kda_bwd_walk).
 struct KdaBwdArgs {
   const uint16_t* dout;          // [T, H, 128] bf16 gradient of o
   const uint16_t* w;             // [T, H, 128] bf16 (forward chunk stage)
@@ -60,7 +60,7 @@ struct KdaBwdArgs {
   const int32_t* seg_chunks;     // [N + 1]
   const float* dfinal_state;     // [N, H, 128, 128] fp32 or null
   float* dtape;                  // [n_chunks, H, 128, 128] fp32: gradient of the state at each chunk END
-                                 // (kda_bwd_tape writes it, kda_bwd_chunk reads it)
+                                 // (kda_bwd_walk writes it, kda_bwd_chunk reads it)
   float* dinitial_state;         // [N, H, 128, 128] fp32 or null
   // kda_bwd_chunk inputs (besides dout, w, kg, aqk, gamma, chunks, dtape)
   const uint16_t* v;             // [T, H, 128] bf16
