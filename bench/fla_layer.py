@@ -121,13 +121,16 @@ def main(argv=None):
 
     # One step each: outputs and gradients (FLA's kept on the host while the other arm runs: a Q1
     # layer step alone peaks near 100 GB), and the dispatch checked both ways.
-    fla_result, agreement = None, {}
+    fla_result, agreement, peaks = None, {}, {}
     for arm in ARMS:
         switch(arm)
         progress(f"first step, {arm} (FLA's autotuning)")
         before = dispatched["n"]
         seen["on"] = arm == "kda_aot"
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         y = layer_step()
+        peaks[arm] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         seen["on"] = False
         went = dispatched["n"] - before
         if went != (1 if arm == "kda_aot" else 0):
@@ -168,6 +171,9 @@ def main(argv=None):
         for key in (list(runs) if i % 2 == 0 else list(reversed(list(runs)))):
             times[key].append(timed(runs[key], 1))
     torch.cuda.synchronize()
+    calls = dispatched["n"]
+    if calls != 1 + 2 * a.iters + 2:  # first step, warm-ups and timed runs of the kda_aot arm (layer and call)
+        raise SystemExit(f"FLA dispatched {calls} chunk_kda calls to kda_aot, expected {1 + 2 * a.iters + 2}")
     base = row("fla_layer", pack=a.pack, heads=a.heads, hidden=a.hidden)
     rows = [dict(base, arm=arm, boundary=boundary, ms=round(statistics.median(ts), 3))
             for (arm, boundary), ts in times.items()]
@@ -175,7 +181,7 @@ def main(argv=None):
         ms = {r["arm"]: r["ms"] for r in rows if r["boundary"] == boundary}
         rows.append(dict(base, arm="ratio_fla_over_kda_aot", boundary=boundary, ratio=round(ms["fla"] / ms["kda_aot"], 3)))
     rows.append(dict(base, arm="agreement", boundary="layer", rel_rms_kda_aot_vs_fla=agreement,
-                     peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1)))
+                     peak_gib=peaks))  # each arm's first step (the other arm's result on the host)
     for r in rows:
         print(r, flush=True)
     write_rows(rows, "fla_layer", a.out)

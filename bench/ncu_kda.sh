@@ -4,7 +4,7 @@
 # instruction counts, the source lines where warps stall most (SourceCounters; -lineinfo builds).
 # Leaves the clocks alone.
 # Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's option through KDA_AOT_OPTIONS:
-# chunk_form, bwd_chunk_form, gate_form, walk_form); default: every forward and backward
+# bwd_chunk_form, gate_form, walk_form; kda_fwd_chunk has one form); default: every forward and backward
 # program, the test-only forms beside the shipped ones. Reports: $NCU_DIR (default $OUT).
 source "$(dirname "$0")/device_env.sh"
 if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything already

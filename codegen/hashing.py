@@ -15,7 +15,8 @@ from . import TEMPLATES
 from .catalog import Record
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
-_JINJA_INCLUDE = re.compile(r'\{%-?\s*include\s+"([^"]+)"')  # a template's variants in files of their own
+# a template's variants in files of their own (include, import, extends, from; either quote)
+_JINJA_INCLUDE = re.compile(r"""\{%[-+]?\s*(?:include|import|extends|from)\s+["']([^"']+)["']""")
 
 
 def sha256_bytes(data: bytes) -> str:

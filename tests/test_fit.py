@@ -11,11 +11,11 @@ from kda_aot.schedule import fit
 def fresh_caches():
     """Decisions and measurements are cached process-wide: every test starts and ends without them
     (also when an assertion fails), so no monkeypatched value leaks into another test."""
-    fit._decide.cache_clear()
-    fit.measured_rho.cache_clear()
+    for cached in (fit._decide, fit.measured_rho, fit.pipelined_walk_sms):
+        cached.cache_clear()
     yield
-    fit._decide.cache_clear()
-    fit.measured_rho.cache_clear()
+    for cached in (fit._decide, fit.measured_rho, fit.pipelined_walk_sms):
+        cached.cache_clear()
 
 
 def test_makespan_in_launch_order():
@@ -324,3 +324,12 @@ def test_pieced_group(kda_options):
     assert fit.pieced_group((272, 40), (1,), (0,), True) is None
     assert fit.pieced_group((700,), (), (), True) is None
     assert fit.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (1, [1218 + 625 * p // 8 for p in range(9)])
+
+
+def test_the_gate_floor_is_the_kernels():
+    """kda_aot.schedule.kda.GATE_FLOOR (the initial state's factor) is -kGateFloor of templates/common/kda.h."""
+    import re
+    from codegen import ROOT
+    from kda_aot.schedule.kda import GATE_FLOOR
+    text = (ROOT / "templates" / "common" / "kda.h").read_text()
+    assert float(re.search(r"constexpr float kGateFloor = ([0-9.]+)f;", text).group(1)) == -GATE_FLOOR

@@ -35,7 +35,7 @@ def rank_inputs(pack, layout, rank, H, gen):
     local = plan.local_fragments
     deferred = [f.segment for f in local if f.needs_state]
     senders = [f.segment for f in local if not f.needs_state and not f.is_last]
-    summarised = [f.segment for f in local if f.needs_state and not f.is_last]  # as kda_aot.cp.ops
+    summarised = [f.segment for f in local if f.needs_state and not f.is_last]  # as kda_aot.cp.collective
     known = torch.zeros(len(local), H, HEAD_DIM, HEAD_DIM, device="cuda")
     return (q, k, v, g, beta), list(plan.local_cu_seqlens), known, deferred, senders, summarised
 

@@ -9,7 +9,8 @@
 
 Modules: plan (layouts, fragment table), summaries (affine summaries and their composition),
 exchange (collectives, agreement check), backends (the local primitives: the
-reference and the CUDA kernels), ops (chunk_kda_cp), halo (conv_halo). Every collective function must be called by all
+reference and the CUDA kernels), collective (the CP forward and backward), ops (chunk_kda_cp: custom ops
+and entry points), halo (conv_halo). Every collective function must be called by all
 ranks of the group in the same order, and so must the backward: every rank's result must
 reach the loss, also on a rank that holds no token.
 """

@@ -16,8 +16,9 @@ states:
     backward(ctx, do, dfinals)                -> (dq, dk, dv, dg, dbeta, dstates), state_dtype
         the local backward from (do, the gradient of each segment's exit state); may be called
         more than once on one ctx.
-    gate_floor                                the floor under g of its programs (the initial state's
-                                              factor, kda_aot.schedule.kda.entering_decay)
+    gate_floor                                the floor under g of its programs, finite (the initial state's
+                                              factor, kda_aot.schedule.kda.entering_decay; optional:
+                                              without it, none)
     state_grads(ctx, do, dfinals)             -> dstates [n, H, K, V], state_dtype (optional)
         backward's dstates alone, bitwise the same; what the op needs before the exchange (with
         dS_out = 0). A backend without it gets backward(...)[5].
@@ -275,7 +276,7 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
             return CudaBackend()
         raise ValueError(f"unknown backend {backend!r}: valid backends are 'auto', 'reference', 'cuda' "
                          f"(or a backend object, see kda_aot.cp.backends)")
-    for attr in ("summary", "forward", "backward", "state_dtype", "gate_floor", "name"):
+    for attr in ("summary", "forward", "backward", "state_dtype", "name"):
         if not hasattr(backend, attr):
             raise TypeError(f"backend object {backend!r} lacks {attr!r} (see kda_aot.cp.backends)")
     return backend

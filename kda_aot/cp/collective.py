@@ -141,7 +141,11 @@ class _Context:
 def entering_decay(g, plan: CPPlan, f, backend) -> torch.Tensor:
     """kda_aot.schedule.kda.entering_decay of the first token of fragment f (one that starts its
     document here) under the backend's gate floor: the initial state's factor and its gradient's."""
-    return kda.entering_decay(g[0, plan.local_cu_seqlens[f.segment]], backend.gate_floor)
+    first = g[0, plan.local_cu_seqlens[f.segment]]
+    floor = getattr(backend, "gate_floor", None)
+    if floor is None:  # a backend that does not floor g takes the initial state as it is
+        return torch.ones(*first.shape, 1, dtype=torch.float32, device=first.device)
+    return kda.entering_decay(first, floor)
 
 
 def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):

@@ -199,7 +199,8 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
                  chain_lengths=tables.chain_lengths, scale=scale)
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
-    return _backward_result(q, beta, tables, grads, _entering(h0, g, tables)[1], dht)
+    decay = None if h0 is None else kda.entering_decay(kda.first_tokens(g, tables))
+    return _backward_result(q, beta, tables, grads, decay, dht)
 
 
 @chunk_kda_bwd_saved_op.register_fake

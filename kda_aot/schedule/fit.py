@@ -346,7 +346,9 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM). pieced: the group is the
     one pieced_group cuts (context parallelism), treated as such a last group - a CP rank's only chain
     included, whose pieces' walks would otherwise take every SM from the chunk stage of the
-    pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two)."""
+    pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two). In the
+    replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are predicted not
+    to hold still when they start (_held_by_earlier_walks; Q2: 34 of 66)."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))

@@ -23,7 +23,7 @@ from .._runtime.packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
 MAX_HEADS = 64
-GATE_FLOOR = -20.0  # every program sums max(g, GATE_FLOOR) (templates/common/kda.h kGateFloor)
+GATE_FLOOR = -20.0  # every program sums max(g, GATE_FLOOR) (templates/common/kda.h: -kGateFloor)
 
 
 def entering_decay(g_first: torch.Tensor, floor: float = GATE_FLOOR) -> torch.Tensor:
