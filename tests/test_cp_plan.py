@@ -270,3 +270,25 @@ def test_phase_timing_records_only_when_asked(kda_options):
     got = ops.phase_times()
     assert list(got) == ["summary"] and len(got["summary"]) == 2 and all(ms >= 0 for ms in got["summary"])
     assert ops.phase_times() == {}  # cleared
+
+
+def test_entering_decay_of_the_fragments_that_start_a_document():
+    """The initial state's factor of a fragment that starts its document here is kda.entering_decay of
+    that fragment's first local token under the backend's floor; a backend without gate_floor takes the
+    initial state as it is."""
+    from kda_aot.cp.collective import entering_decay
+    from kda_aot.schedule.kda import GATE_FLOOR, entering_decay as decay_of
+    plan = cp.make_plan([0, 20, 130, 200], "contiguous", world_size=2, rank=1)  # document 2 starts at local 30
+    starts = [f for f in plan.local_fragments if f.position == 0]
+    assert starts, "the pack has a document starting on rank 1"
+    T = plan.local_cu_seqlens[-1]
+    g = -40.0 * torch.rand(1, T, 2, 128, dtype=torch.float64)
+
+    class Floored:
+        gate_floor = GATE_FLOOR
+
+    for f in starts:
+        first = g[0, plan.local_cu_seqlens[f.segment]]
+        got = entering_decay(g, plan, f, Floored())
+        assert got.shape == (2, 128, 1) and torch.equal(got, decay_of(first))
+        assert torch.equal(entering_decay(g, plan, f, object()), torch.ones(2, 128, 1))
