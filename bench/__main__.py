@@ -1,4 +1,4 @@
-"""python -m bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd]
+"""python -m bench conv|single [--pack Q1[,Q2..]] [--heads 32] [--boundary fwd,fwdbwd,gate]
     [--walk-forms auto,full] [--no-fla] [--iters N] [--out DIR]
 torchrun --nproc-per-node W -m bench cp [--pack ...] [--heads 32] [--iters N] [--out DIR]"""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     p.add_argument("--pack", default="Q1", help="Q1[,Q2..] or all (Q1-Q6)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd or both")
+    p.add_argument("--boundary", default="fwd,fwdbwd", help="single: fwd, fwdbwd, gate (FLA's layer call: the gate in chunk_kda)")
     p.add_argument("--no-fla", action="store_true", help="single: leave out the flash-linear-attention arm")
     p.add_argument("--walk-forms", default="auto", help="single: walk form per kda_aot arm (auto: the fit rule), e.g. auto,full")
     p.add_argument("--out", default=None, help="directory for the result rows (default bench/results)")

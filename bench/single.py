@@ -75,6 +75,40 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
     return out
 
 
+def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
+    """Boundary "gate": a replay training step as FLA's layer calls it - the raw gate (bf16, as its f_proj
+    gives it) with A_log and dt_bias, activated by chunk_kda (use_gate_in_kernel), beta as logits
+    (use_beta_sigmoid_in_kernel) - against the same step on the activated gate and beta given (arm
+    kda_aot, the step of the rows above); FLA's same call beside when installed. Rows: boundary
+    "gate", arms kda_aot (precomputed), kda_aot/gate, fla/gate."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2 ** 63)
+    T = q.shape[1]
+    raw = torch.randn(1, T, H, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    a_log = torch.log(torch.rand(H, device="cuda", generator=gen) * 15 + 1).requires_grad_()  # FLA's init range
+    dt_bias = (0.1 * torch.randn(H * HEAD_DIM, device="cuda", generator=gen)).requires_grad_()
+    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    with torch.no_grad():
+        g_act = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, HEAD_DIM))
+        b_act = torch.sigmoid(logits.float()).to(torch.bfloat16)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    pre = [g_act.requires_grad_(), b_act.requires_grad_()]
+    gated = [raw, a_log, dt_bias, logits]
+    do = torch.randn_like(v)
+    flags = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    arms = {"kda_aot": _fwdbwd(lambda: chunk_kda(*leaves, *pre, cu_seqlens=cu_host)[0], leaves + pre, do),
+            "kda_aot/gate": _fwdbwd(lambda: chunk_kda(*leaves, raw, logits, A_log=a_log, dt_bias=dt_bias,
+                                                      cu_seqlens=cu_host, **flags)[0], leaves + gated, do)}
+    if fla is not None:
+        arms["fla/gate"] = _fwdbwd(lambda: fla(*leaves, raw, logits, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu64,
+                                               **flags)[0], leaves + gated, do)
+    rows = _rows(pack, H, "gate", "replay", *_measure(arms, iters))
+    ms = {r["arm"]: r["ms"] for r in rows if "ms" in r}
+    if "fla/gate" in ms:
+        rows.append(row("single", pack=pack, heads=H, boundary="gate", mode="replay",
+                        arm="ratio_fla_over_kda_aot", ratio=round(ms["fla/gate"] / ms["kda_aot/gate"], 3)))
+    return rows
+
+
 def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"), with_fla=True,
         walk_forms=("auto",), on_rows=None) -> list[dict]:
     """walk_forms: one kda_aot arm per walk form ("kda_aot" = auto, "kda_aot@full", ...),
@@ -110,6 +144,8 @@ def run(packs=("Q1",), H: int = 32, iters: int = 10, boundaries=("fwd", "fwdbwd"
                     arms["fla"] = _fwdbwd(lambda: fla(*leaves, cu_seqlens=cu64)[0], leaves, do)
                 rows += emit(_rows(pack, H, "fwdbwd", mode, *_measure(arms, iters)))
             del leaves, do
+        if "gate" in boundaries:
+            rows += emit(_gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters))
         del q, k, v, g, beta, cu, cu64
         torch.cuda.empty_cache()
     return rows
