@@ -174,6 +174,8 @@ def test_unserved_arguments_raise(reference_op):
               r"lower_bound: must lie in \[-5, 0\)"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True, lower_bound=0.0), ValueError,
               r"lower_bound: must lie in \[-5, 0\)"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"], lower_bound=0.5), ValueError,
+              r"lower_bound: must be < 0"),
              (dict(backward="checkpoint"), ValueError, "backward: expected one of")]
     for kw, err, match in cases:
         with pytest.raises(err, match=match):

@@ -21,7 +21,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
                     lower_bound: Optional[float], safe_gate: bool) -> None:
     """The gate's parameters: A_log [HV] (or any shape of HV elements), dt_bias [HV * K] (or [HV, K]), both
-    floating point on g's device; lower_bound in [-5, 0) with safe_gate; A_log required without lower_bound."""
+    floating point on g's device; lower_bound < 0, in [-5, 0) with safe_gate; A_log required without lower_bound."""
     HV, K = g.shape[-2], g.shape[-1]
     if not g.is_floating_point():
         raise TypeError(f"g: the raw gate must be floating point, got {g.dtype}")
@@ -45,6 +45,9 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
             raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
         if safe_gate and not -5 <= lower_bound < 0:
             raise ValueError(f"lower_bound: must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
+        if not lower_bound < 0:  # the gate lower_bound * sigmoid(..) is a log decay: <= 0
+            raise ValueError(f"lower_bound: must be < 0 (the gate is lower_bound * sigmoid(...), a log decay), "
+                             f"got {lower_bound}")
     elif safe_gate:
         raise ValueError("lower_bound: required with safe_gate=True and use_gate_in_kernel=True")
 
