@@ -38,12 +38,12 @@ def make_inputs(gen, lens, H, K, V, g_mode="rand", init=False, dtype=F64):
 
 def fla_gate(g, A_log, dt_bias, lower_bound=None):
     """FLA 0.6.0's gate activation written out (independently of kda_aot.ops.gate): g, dt_bias [.., HV, K],
-    A_log [HV]."""
+    A_log [HV] (None with lower_bound: exp(A_log) = 1)."""
     HV, K = g.shape[-2], g.shape[-1]
     raw = g + dt_bias.view(HV, K)
     if lower_bound is None:
         return -A_log.exp().view(HV, 1) * F.softplus(raw)
-    return lower_bound * torch.sigmoid(A_log.exp().view(HV, 1) * raw)
+    return lower_bound * torch.sigmoid(raw if A_log is None else A_log.exp().view(HV, 1) * raw)
 
 
 def fla_beta(b, allow_neg_eigval=False):

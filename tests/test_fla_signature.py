@@ -71,12 +71,13 @@ def inputs(lens, H, HV, seed):
 def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
     """FLA's formulas, independently: l2norm, the gate, sigmoid beta, GVA by head index, V-first states."""
     HV = x["v"].shape[2]
-    leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
+    leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
+              if x[n] is not None}
     q, k = leaves["q"], leaves["k"]
     if l2:
         q, k = l2norm_as_the_kernel(q), l2norm_as_the_kernel(k)
     q, k = fla_heads(q, HV), fla_heads(k, HV)
-    g = fla_gate(leaves["g"], leaves["A_log"], leaves["dt_bias"], lower_bound)
+    g = fla_gate(leaves["g"], leaves.get("A_log"), leaves["dt_bias"], lower_bound)
     beta = fla_beta(leaves["b"], neg)
     # the kernels' bf16 beta, rounded from its fp32 sigmoid as ours is (an fp64 sigmoid can round to the
     # neighbouring bf16 value), with the fp64 gradient
@@ -92,9 +93,10 @@ def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
 
 
 def run_ours(x, **kw):
-    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
+              if x[n] is not None}
     o, s = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["b"], None, leaves["h0"],
-                             True, True, True, True, cu_seqlens=x["cu"], A_log=leaves["A_log"],
+                             True, True, True, True, cu_seqlens=x["cu"], A_log=leaves.get("A_log"),
                              dt_bias=leaves["dt_bias"], **kw)
     ((o.double() * x["do"]).sum() + (s.double() * x["dht"]).sum()).backward()
     return o.detach(), s.detach(), {n: t.grad for n, t in leaves.items()}
@@ -130,6 +132,15 @@ def test_fla_layer_call_matches_flas_formulas(reference_op, HV, lower_bound, neg
     for n, want in egrads.items():
         bound = 1e-2 if n in ("q", "k", "v", "b") else 1e-5
         assert rel(grads[n], want) < bound, f"d{n}: {rel(grads[n], want):.2e}"
+
+
+def test_sigmoid_gate_without_a_log(reference_op):
+    """lower_bound sigmoid(g + dt_bias): A_log left out (exp(A_log) = 1), as FLA allows with lower_bound."""
+    x = dict(inputs([70, 1, 130], 4, 4, "sigmoid-no-a-log"), A_log=None)
+    o, s, grads = run_ours(x, lower_bound=-3.0)
+    eo, es, egrads = expected(x, lower_bound=-3.0)
+    assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
+    assert "A_log" not in grads and rel(grads["g"], egrads["g"]) < 1e-5 and rel(grads["dt_bias"], egrads["dt_bias"]) < 1e-5
 
 
 def test_disable_recompute_is_the_saved_mode(reference_op):
