@@ -10,7 +10,8 @@
 #   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
 #   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
 # Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks;
-# TESTS overrides step 3's files, NUMERICS_S step 2's cap (default 300 s).
+# TESTS overrides step 3's files, NUMERICS_S step 2's cap (default 300 s), NUMERICS_ARGS its arguments
+# (e.g. --init-only, --cases H4/const-8/beta2 --draws 8).
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl, build/kobj
 # (and .triton_autotune.tgz when there: FLA's autotuning otherwise takes minutes of a fresh machine).
 source "$(dirname "$0")/device_env.sh"
@@ -27,7 +28,8 @@ python3 -c "import fla; print('fla', fla.__version__)" 2>/dev/null || echo "fla 
 for step in $STEPS; do
   case $step in
     numerics)
-      timeout -s INT -k 10 "$(cap ${NUMERICS_S:-300})" python3 bench/numerics.py --out "$OUT" > "$OUT/numerics.log" 2>&1
+      timeout -s INT -k 10 "$(cap ${NUMERICS_S:-300})" python3 bench/numerics.py --out "$OUT" ${NUMERICS_ARGS:-} \
+        > "$OUT/numerics.log" 2>&1
       stamp "numerics: $(tail -3 "$OUT/numerics.log" | tr '\n' ' ')" ;;
     tests)
       timeout -s INT -k 15 "$(cap 240)" python3 -m pytest -q -rs ${TESTS:-tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py \
