@@ -40,6 +40,7 @@ from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 from bench.numerics import gate as numerics_gate  # noqa: E402
 from reftools import fla_beta, fla_gate, fla_heads  # noqa: E402
+from kda_aot.schedule.kda import GATE_FLOOR  # noqa: E402
 
 try:
     from conftest import SEED
@@ -267,6 +268,12 @@ def cases_for(W):
                 cases.append({"kind": "op", "name": f"op-{gate}/{layout}/{pack}", "layout": layout,
                               "cu": cu_of(PACKS[pack]), "inputs": kda_inputs(pack, torch.float32, gate),
                               "state_dtype": torch.float32, "modes": ["saved", "replay"]})
+    if W == 2:  # the kernels' gate floor on the reference: the CP op's initial-state factor
+        for layout in LAYOUTS:
+            cases.append({"kind": "op", "name": f"op-floored/{layout}/mixed", "layout": layout,
+                          "cu": cu_of(PACKS["mixed"]), "inputs": kda_inputs("mixed", torch.float64, "const-30"),
+                          "state_dtype": torch.float64, "modes": ["saved", "replay"],
+                          "backend": cp.ReferenceBackend(torch.float64, 64, GATE_FLOOR).spec})
     if W == 2:
         for layout in LAYOUTS:
             for kind, cfg in FLA_CASES.items():
@@ -377,6 +384,24 @@ def check_op(res, W, layout, pack, gate="log-uniform"):
     # gather (collective) == unshard (pure)
     for r in range(W):
         assert torch.equal(res[r]["gathered_o"], plan.unshard([x["o"] for x in loc]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kda_op_under_the_kernels_gate_floor(layout):
+    """The reference floored at the kernels' -20 (fp64), every g = -30, initial states: the CP op's
+    initial-state factor (kda_aot.cp.collective.entering_decay, on the rank where a document starts) makes
+    o, the final states and dh0 the unfloored truth's to ~e^-20 relative (without it dh0 is e^10 off);
+    dg is zero (the floor's derivative; the truth is ~e^-30)."""
+    res = results(2, f"op-floored/{layout}/mixed")
+    plan = plans(2, layout, "mixed")
+    want = kda_expected("mixed", torch.float64, "const-30")
+    check_modes_bitwise(res, f"op-floored W=2 {layout}")
+    loc = [r["saved"] for r in res]
+    for key in ("o", "dq", "dk", "dv", "dbeta"):
+        check_close("op-floored", 2, layout, "mixed", key, plan.unshard([x[key] for x in loc]), want[key], 1e-6)
+    assert all(torch.equal(x["dg"], torch.zeros_like(x["dg"])) for x in loc)
+    for key in ("final", "dh0"):
+        check_close("op-floored", 2, layout, "mixed", key, torch.stack([x[key] for x in loc]).sum(0), want[key], 1e-6)
 
 
 @pytest.mark.parametrize("W,layout,pack",

@@ -59,16 +59,22 @@ __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 class ReferenceBackend:
     """kda_aot.reference in `dtype` (fp32 by default, like the kernels; fp64 for tight tests). The
     backward is the reference's written-out chunked backward (no autograd: it runs inside the CP
-    custom ops, below autograd)."""
+    custom ops, below autograd). gate_floor: g is summed floored there (default the reference's own,
+    exact; kda_aot.schedule.kda.GATE_FLOOR: the kernels' floor, so that CPU tests check the CP op's
+    handling of it), its gradient zero below."""
     name = "reference"
 
-    def __init__(self, dtype: torch.dtype = torch.float32, chunk_size: int = 64):
+    def __init__(self, dtype: torch.dtype = torch.float32, chunk_size: int = 64, gate_floor: float = reference.G_FLOOR):
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"ReferenceBackend: dtype must be float32 or float64, got {dtype}")
+        if not reference.G_FLOOR <= gate_floor < 0:
+            raise ValueError(f"ReferenceBackend: gate_floor must lie in [{reference.G_FLOOR}, 0), got {gate_floor}")
         self.dtype = dtype
         self.chunk_size = chunk_size
+        self.gate_floor = float(gate_floor)
 
-    gate_floor = reference.G_FLOOR
+    def _floored(self, g):
+        return g if self.gate_floor == reference.G_FLOOR else torch.clamp(g, min=self.gate_floor)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -77,25 +83,31 @@ class ReferenceBackend:
     @property
     def spec(self) -> str:
         """What get_backend rebuilds this backend from (the CP custom ops take it as a string)."""
-        return f"reference:{str(self.dtype).replace('torch.', '')}:{self.chunk_size}"
+        floor = "" if self.gate_floor == reference.G_FLOOR else f":{self.gate_floor!r}"
+        return f"reference:{str(self.dtype).replace('torch.', '')}:{self.chunk_size}{floor}"
 
     def __repr__(self):
-        return f"ReferenceBackend(dtype={self.dtype}, chunk_size={self.chunk_size})"
+        return f"ReferenceBackend(dtype={self.dtype}, chunk_size={self.chunk_size}, gate_floor={self.gate_floor})"
 
     def summary(self, k, v, g, beta, lo: int, hi: int):
-        return reference.fragment_summary(k[0, lo:hi], v[0, lo:hi], g[0, lo:hi], beta[0, lo:hi],
+        return reference.fragment_summary(k[0, lo:hi], v[0, lo:hi], self._floored(g[0, lo:hi]), beta[0, lo:hi],
                                           chunk_size=self.chunk_size, dtype=self.dtype)
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
                 scale: float, keep: bool):
-        saved = reference.kda_chunked_fwd_saved(q, k, v, g, beta, cu_seqlens=list(cu_local), scale=scale,
-                                                initial_state=states, chunk_size=self.chunk_size, dtype=self.dtype)
+        saved = reference.kda_chunked_fwd_saved(q, k, v, self._floored(g), beta, cu_seqlens=list(cu_local),
+                                                scale=scale, initial_state=states, chunk_size=self.chunk_size,
+                                                dtype=self.dtype)
         ctx = (saved, (q, k, v, g, beta)) if keep else None
         return saved["o"], saved["final_state"], ctx
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         saved, (q, k, v, g, beta) = ctx
-        return reference.kda_chunked_bwd(saved, do, dfinals, q=q, k=k, v=v, g=g, beta=beta)
+        grads = reference.kda_chunked_bwd(saved, do, dfinals, q=q, k=k, v=v, g=self._floored(g), beta=beta)
+        if self.gate_floor == reference.G_FLOOR:
+            return grads
+        dq, dk, dv, dg, *rest = grads
+        return (dq, dk, dv, torch.where(g < self.gate_floor, torch.zeros_like(dg), dg), *rest)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
         return self.backward(ctx, do, dfinals)[5]
@@ -266,8 +278,8 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
             from . import keys
             return keys.lookup(int(backend.split(":")[1]))
         if backend.startswith("reference:"):  # a ReferenceBackend's spec
-            _, name, chunk = backend.split(":")
-            return ReferenceBackend(getattr(torch, name), int(chunk))
+            _, name, chunk, *floor = backend.split(":")
+            return ReferenceBackend(getattr(torch, name), int(chunk), *(float(f) for f in floor))
         if backend == "reference":
             return ReferenceBackend(dtype or torch.float32)
         if backend == "cuda":
