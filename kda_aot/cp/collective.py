@@ -158,9 +158,13 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
 
     middle = [f for f in local if f.needs_state and not f.is_last]  # summarised whatever the order
 
+    # the initial state's factor of each local fragment's first token, formed once (known_state runs for
+    # a fragment several times; only the factors of fragments that start their document are used)
+    decays = {} if initial_state is None else {f.segment: entering_decay(g, plan, f, backend) for f in local}
+
     def known_state(f):  # the entering state of a fragment that starts its document here
         return (torch.zeros(H, K, V, dtype=sd, device=q.device) if initial_state is None
-                else initial_state[f.doc].to(sd) * entering_decay(g, plan, f, backend))
+                else initial_state[f.doc].to(sd) * decays[f.segment])
 
     def entering_states(prepared, finals=None):
         """Steps 1-2: what the others wait for ((M, B) of middle fragments, exit states of first
@@ -238,8 +242,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
                initial_state is not None)
     ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
     ctx.h0_dtype = None if initial_state is None else initial_state.dtype
-    ctx.decays = ({} if initial_state is None else
-                  {f.segment: entering_decay(g, plan, f, backend) for f in local if f.position == 0})
+    ctx.decays = {f.segment: decays[f.segment] for f in local if f.position == 0 and decays}
     if mode == "saved":
         ctx.lctx, ctx.M_local = lctx, M_local
         ctx.save_for_backward(states)
