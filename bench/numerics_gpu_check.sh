@@ -10,7 +10,7 @@
 #   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
 #   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
 # Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks;
-# TESTS overrides step 3's files, NUMERICS_S step 2's cap (default 300 s), NUMERICS_ARGS its arguments
+# TESTS overrides step 3's files (TESTS_S its cap, default 240 s), NUMERICS_S step 2's cap (default 300 s), NUMERICS_ARGS its arguments
 # (e.g. --init-only, --cases H4/const-8/beta2 --draws 8).
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl, build/kobj
 # (and .triton_autotune.tgz when there: FLA's autotuning otherwise takes minutes of a fresh machine).
@@ -32,7 +32,7 @@ for step in $STEPS; do
         > "$OUT/numerics.log" 2>&1
       stamp "numerics: $(tail -3 "$OUT/numerics.log" | tr '\n' ' ')" ;;
     tests)
-      timeout -s INT -k 15 "$(cap 240)" python3 -m pytest -q -rs ${TESTS:-tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py \
+      timeout -s INT -k 15 "$(cap ${TESTS_S:-240})" python3 -m pytest -q -rs ${TESTS:-tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py \
         tests/test_kda_fwd_gpu.py tests/test_cp_cuda.py} > "$OUT/pytest_numerics.log" 2>&1
       stamp "tests: $(tail -1 "$OUT/pytest_numerics.log")" ;;
     forms)

@@ -34,6 +34,16 @@ fit.plan_walk = plan_walk
 # the pipelined forward: chunk-stage launches over chunk ranges, each group's walk on a side stream
 chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
               pipeline=True)
+# the gate's activation in the kernels (raw gate; softplus with A_log and dt_bias, sigmoid without A_log)
+from kda_aot.schedule.kda import GATE_SIGMOID, GATE_SOFTPLUS, GateActivation  # noqa: E402
+raw = torch.randn_like(g) * 4
+for gate in (GateActivation(GATE_SOFTPLUS, torch.randn(H, device="cuda") + 1, torch.randn(H, 128, device="cuda")),
+             GateActivation(GATE_SIGMOID, None, torch.randn(H, 128, device="cuda"), -3.0),
+             GateActivation(GATE_SIGMOID, torch.randn(H, device="cuda"), torch.randn(H, 128, device="cuda"), -3.0)):
+    for form in ("full", "split"):
+        _, _, gated = chunk_kda_fwd(q, k, v, raw, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                    save_tape=True, walk_form=form, gate=gate)
+        chunk_kda_bwd(gated, do, dht, gate_form="full" if form == "full" else None)
 from kda_aot.ops.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)

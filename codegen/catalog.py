@@ -31,6 +31,7 @@ class Binding:
     template: str
     needs: tuple
     need_one: tuple = ()  # tensors of which a launch must be given at least one
+    gate: bool = False    # the program forms the gate from the raw gate (its launch takes gate_kind, lower_bound)
 
 
 _FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"
@@ -40,7 +41,7 @@ _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "d
 # binding.cpp.j2.
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
-                                         "aqk", "gamma")),
+                                         "aqk", "gamma"), gate=True),
     "kda_fwd_walk": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
     "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
     # without dtape the offset walk (the entering-state gradients context parallelism sends)
@@ -50,8 +51,8 @@ BINDINGS = {
                                          "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
                                          "daqk_diag", "dbeta_v", "dgam_s")),
     # two CTAs over 64 channels each write dbeta's halves (the caller adds them)
-    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",)),
-    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",)),
+    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True),
+    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True),
 }
 
 

@@ -62,6 +62,7 @@ def record_hash(record: Record) -> str:
         "depends": dependencies(record),
     }
     if record.binding:  # the tensors its binding requires are rendered into it
-        payload["binding"] = {"needs": list(record.binding.needs), "need_one": list(record.binding.need_one)}
+        payload["binding"] = {"needs": list(record.binding.needs), "need_one": list(record.binding.need_one),
+                              "gate": record.binding.gate}
     canon = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return sha256_bytes(canon.encode())

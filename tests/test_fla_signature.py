@@ -68,8 +68,9 @@ def inputs(lens, H, HV, seed):
     return x
 
 
-def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
-    """FLA's formulas, independently: l2norm, the gate, sigmoid beta, GVA by head index, V-first states."""
+def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True, activated=False):
+    """FLA's formulas, independently: l2norm, the gate, sigmoid beta, GVA by head index, V-first states.
+    activated: also the activated gate and its gradient, (o, s, grads, (g, dg))."""
     HV = x["v"].shape[2]
     leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
               if x[n] is not None}
@@ -78,6 +79,8 @@ def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
         q, k = l2norm_as_the_kernel(q), l2norm_as_the_kernel(k)
     q, k = fla_heads(q, HV), fla_heads(k, HV)
     g = fla_gate(leaves["g"], leaves.get("A_log"), leaves["dt_bias"], lower_bound)
+    if activated:
+        g.retain_grad()
     beta = fla_beta(leaves["b"], neg)
     # the kernels' bf16 beta, rounded from its fp32 sigmoid as ours is (an fp64 sigmoid can round to the
     # neighbouring bf16 value), with the fp64 gradient
@@ -89,7 +92,10 @@ def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True):
     if v_first:
         s = s.transpose(-1, -2)
     ((o * x["do"]).sum() + (s * x["dht"]).sum()).backward()
-    return o.detach(), s.detach(), {n: t.grad for n, t in leaves.items()}
+    grads = {n: t.grad for n, t in leaves.items()}
+    if activated:
+        return o.detach(), s.detach(), grads, (g.detach(), g.grad)
+    return o.detach(), s.detach(), grads
 
 
 def run_ours(x, **kw):

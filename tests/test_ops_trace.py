@@ -66,9 +66,13 @@ def test_backward_and_other_fakes_give_the_real_shapes():
         g, beta, h0 = torch.empty(1, T, H, 128), torch.empty(1, T, H, dtype=BF), torch.empty(N, H, 128, 128)
         cu = torch.empty(N + 1, dtype=torch.int32)
         for state in (None, h0):
-            dq, dk, dv, dg, dbeta, dh0 = OPS.chunk_kda_bwd(q, q, q, g, beta, state, cu, 0.1, q, None)
+            dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = OPS.chunk_kda_bwd(q, q, q, g, beta, state, cu, 0.1, q, None)
             assert dq.dtype == dv.dtype == BF and dg.dtype == torch.float32 and dbeta.dtype == BF
             assert dbeta.shape == (1, T, H) and dh0.shape == ((0,) if state is None else (N, H, 128, 128))
+            assert da_log.shape == ddt_bias.shape == (0,)
+        a_log, dt_bias = torch.empty(H), torch.empty(H, 128)  # the gate activated in the kernels
+        *_, da_log, ddt_bias = OPS.chunk_kda_bwd(q, q, q, g, beta, None, cu, 0.1, q, None, a_log, dt_bias, 1, 0.0)
+        assert da_log.shape == (H,) and ddt_bias.shape == (H, 128) and da_log.dtype == torch.float32
         x, w = torch.empty(1, T, D, dtype=BF), torch.empty(D, 4)
         y = OPS.causal_conv1d_silu_fwd(x, w, None, None, cu, "default")
         assert y.shape == x.shape and y.dtype == BF

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
-from .gate import activate, expand_heads
+from .gate import activate, expand_heads, kda_gate, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 
@@ -49,19 +49,40 @@ def _no_state(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def _entering(h0: Optional[Tensor], g: Tensor, tables):
+def _gate_of(A_log: Optional[Tensor], dt_bias: Optional[Tensor], gate_kind: int, lower_bound: float):
+    """The gate's activation inside the kernels (kda.GateActivation), or None: g is the log decay."""
+    if gate_kind == kda.GATE_RAW:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log, dt_bias: given with gate_kind 0 (g is the log decay)")
+        return None
+    if gate_kind not in (kda.GATE_SOFTPLUS, kda.GATE_SIGMOID):
+        raise ValueError(f"gate_kind: expected 0, 1 (softplus) or 2 (sigmoid), got {gate_kind}")
+    return kda.GateActivation(gate_kind, None if A_log is None else A_log.contiguous(),
+                              None if dt_bias is None else dt_bias.contiguous(), float(lower_bound))
+
+
+def _entering(h0: Optional[Tensor], g: Tensor, tables, gate=None):
     """The segments' initial states as the programs take them (with the first token's decay below the
     gate floor applied here: kda.entering_decay) and that factor, which their gradient takes too;
-    (None, None) without an initial state."""
+    (None, None) without an initial state. gate: g is the raw gate, activated here for the first tokens."""
     if h0 is None:
         return None, None
-    decay = kda.entering_decay(kda.first_tokens(g, tables))
+    decay = _entering_decay(g, tables, gate)
     return tables.segment_rows(h0) * decay, decay
+
+
+def _entering_decay(g: Tensor, tables, gate=None) -> Tensor:
+    """kda.entering_decay of each segment's first token (activated here when g is the raw gate)."""
+    first = kda.first_tokens(g, tables)
+    if gate is not None:
+        first = kda_gate(first, gate.a_log, gate.dt_bias,
+                         gate.lower_bound if gate.kind == kda.GATE_SIGMOID else None)
+    return kda.entering_decay(first)
 
 
 # ------------------------------------------------------------------------------------ forward
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save):
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate):
     """o, final_state (or [0]) and, with save, the saved context (SAVED order, per-chunk tensors over
     max_chunks rows)."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
@@ -83,8 +104,8 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
             final = h0.clone() if h0 is not None else final.zero_()
         return (o, final, *(x.zero_() for x in context))
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
-                                        initial_state=_entering(h0, g, tables)[0],
-                                        output_final_state=output_final_state, save_tape=save, out=out)
+                                        initial_state=_entering(h0, g, tables, gate)[0],
+                                        output_final_state=output_final_state, save_tape=save, out=out, gate=gate)
     if final is not None:
         final = tables.document_rows(final, h0)
     final = _no_state(q) if final is None else final
@@ -107,132 +128,172 @@ def _fake_forward(q, initial_state, cu_seqlens, output_final_state, save):
     return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED))
 
 
+# The ops' gate arguments (last, with defaults): A_log [H] and dt_bias [H, 128] fp32 (contiguous), gate_kind
+# (kda.GATE_RAW: g is the log decay; GATE_SOFTPLUS, GATE_SIGMOID: g is the raw gate, activated in the
+# kernels) and lower_bound (GATE_SIGMOID). The backward ops return dA_log and ddt_bias after the six
+# gradients ([0] without the activation).
+
 @torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
-                     cu_seqlens: Tensor, scale: float, output_final_state: bool) -> tuple[Tensor, Tensor]:
+                     cu_seqlens: Tensor, scale: float, output_final_state: bool, A_log: Optional[Tensor] = None,
+                     dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0
+                     ) -> tuple[Tensor, Tensor]:
     """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
-    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save=False)
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, False,
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound))
 
 
 @chunk_kda_fwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
+      gate_kind=0, lower_bound=0.0):
     return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=False)
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
-                           output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                              Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           output_final_state: bool, A_log: Optional[Tensor] = None,
+                           dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                      Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, final_state or [0], *the saved context in SAVED order) for the saved-context backward."""
-    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save=True)
+    return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, True,
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound))
 
 
 @chunk_kda_fwd_saved_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
+      gate_kind=0, lower_bound=0.0):
     return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=True)
 
 
 # ----------------------------------------------------------------------------------- backward
 
 def _backward_result(q, beta, tables, grads, decay, dfinal_state):
-    dq, dk, dv, dg, dbeta, dh0 = grads
+    dq, dk, dv, dg, dbeta, dh0, *gate_grads = grads
     if decay is None:
         dh0 = _no_state(q)
     else:
         dh0 = tables.document_rows(dh0 * decay, dfinal_state)
-    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0
+    da_log, ddt_bias = gate_grads if gate_grads else (_no_state(q), _no_state(q))
+    return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, da_log, ddt_bias
 
 
-def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state):
+def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state, gate):
     """The gradients of a pack of zero-length documents only (T = 0)."""
     H = q.shape[2]
     dh0 = _no_state(q)
     if initial_state is not None:
         dh0 = dfinal_state.clone() if dfinal_state is not None else torch.zeros(
             tables.n_docs, H, HEAD_DIM, HEAD_DIM, device=q.device)
+    da_log, ddt_bias = _gate_grads_like(q, gate, zeros=True)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+            torch.empty_like(beta), dh0, da_log, ddt_bias)
+
+
+def _gate_grads_like(q, gate, zeros=False):
+    if gate is None:
+        return _no_state(q), _no_state(q)
+    make = torch.zeros if zeros else torch.empty
+    da_log = make(q.shape[2], device=q.device, dtype=torch.float32)
+    ddt_bias = make(q.shape[2], HEAD_DIM, device=q.device, dtype=torch.float32)
+    return da_log, ddt_bias
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
-                     cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor]
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor],
+                     A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
+                     lower_bound: float = 0.0
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
-    d_initial_state or [0])."""
+    d_initial_state or [0], dA_log or [0], ddt_bias or [0])."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
+    gate = _gate_of(A_log, dt_bias, gate_kind, lower_bound)
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
     if tables.n_segments == 0:
-        return _empty_backward(q, k, v, g, beta, tables, h0, dht)
-    h0, decay = _entering(h0, g, tables)
-    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht))
+        return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
+    h0, decay = _entering(h0, g, tables, gate)
+    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
-def _fake_backward(q, k, v, g, beta, initial_state):
+def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
     dh0 = (_no_state(q) if initial_state is None else
            q.new_empty(initial_state.shape, dtype=torch.float32))
+    if gate_kind == kda.GATE_RAW:
+        da_log, ddt_bias = _no_state(q), _no_state(q)
+    else:
+        da_log = q.new_empty((q.shape[2],), dtype=torch.float32)
+        ddt_bias = q.new_empty((q.shape[2], HEAD_DIM), dtype=torch.float32)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
-            beta.new_empty(beta.shape), dh0)
+            beta.new_empty(beta.shape), dh0, da_log, ddt_bias)
 
 
 @chunk_kda_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state):
-    return _fake_backward(q, k, v, g, beta, initial_state)
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state, A_log=None, dt_bias=None,
+      gate_kind=0, lower_bound=0.0):
+    return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_bwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,
-                           akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor]
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor],
+                           A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
+                           lower_bound: float = 0.0
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Saved-context backward over chunk_kda_fwd_saved's context: bitwise the replay's gradients."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
+    gate = _gate_of(A_log, dt_bias, gate_kind, lower_bound)
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
     if tables.n_segments == 0:
-        return _empty_backward(q, k, v, g, beta, tables, h0, dht)
+        return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
     C = tables.chunks.shape[0]
     context = dict(zip(SAVED, (w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew)))
     saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
-                 chain_lengths=tables.chain_lengths, scale=scale)
+                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate)
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
-    decay = None if h0 is None else kda.entering_decay(kda.first_tokens(g, tables))
+    decay = None if h0 is None else _entering_decay(g, tables, gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
 @chunk_kda_bwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew, do,
-      dfinal_state):
-    return _fake_backward(q, k, v, g, beta, initial_state)
+      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0):
+    return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
 # ----------------------------------------------------------------------------------- autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, _ = inputs
-    ctx.scale = scale
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound = inputs
+    ctx.scale, ctx.gate_kind, ctx.lower_bound = scale, gate_kind, lower_bound
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *output[2:])
     if len(output) > 2:
         ctx.mark_non_differentiable(*output[2:])
 
 
 def _backward(ctx, do, dfinal_state, *_):
-    q, k, v, g, beta, h0, cu_seqlens, *context = ctx.saved_tensors
+    q, k, v, g, beta, h0, cu_seqlens, A_log, dt_bias, *context = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(q)
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
+    gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
     if context:
-        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state)
+        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate)
     else:
-        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state)
-    dq, dk, dv, dg, dbeta, dh0 = grads
-    return dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None
+        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate)
+    dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = grads
+    gated = ctx.gate_kind != kda.GATE_RAW
+    return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
+            da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
+            None, None)
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -325,6 +386,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
     if not isinstance(k, torch.Tensor):
         raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
+    # On the GPU the kernels activate the raw gate (kernel_gate); elsewhere activate() does, in torch.
+    gate_args = ()
+    if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:
+        g, gate_args = kernel_gate(g, A_log, dt_bias, lower_bound, safe_gate)
+        use_gate_in_kernel, A_log, dt_bias = False, None, None
     g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16)
@@ -335,7 +401,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q, k = l2norm(q), l2norm(k)
     q, k = expand_heads(q, k, v.shape[2])
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, mode)
+                                 cu_seqlens_cpu, mode, gate_args)
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
@@ -371,8 +437,9 @@ def _check_head_dim(x, name):
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      backward):
-    """The KDA op on checked inputs of H heads each (q and k already normalised when asked)."""
+                      backward, gate_args=()):
+    """The KDA op on checked inputs of H heads each (q and k already normalised when asked); gate_args:
+    the kernels' gate activation (kernel_gate), g then the raw gate."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
@@ -384,7 +451,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
-    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state))[:2]
+    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args)[:2]
     return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

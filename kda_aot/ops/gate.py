@@ -6,8 +6,9 @@ use_beta_sigmoid_in_kernel), in fp32, differentiable.
                    without A_log: lower_bound * sigmoid(g_raw + dt_bias))
     beta:      beta = scale * sigmoid(b)   (scale 2 with allow_neg_eigval: beta in [0, 2))
 
-They run as torch operations before the KDA op (the activated gate goes through memory once more
-than inside the chunk stage would take it).
+On the GPU the gate's activation runs inside the kernels (kernel_gate: kda_fwd_chunk forms it before its
+cumulative sum, kda_bwd_gate again for dg, dA_log and dt_bias); elsewhere, and under context parallelism,
+both run as the torch operations here, before the KDA op.
 """
 from typing import Optional
 
@@ -65,6 +66,19 @@ def kda_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
     if A_log is not None:
         x = A_log.to(work).reshape(HV, 1).exp() * x
     return float(lower_bound) * torch.sigmoid(x)
+
+
+def kernel_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float],
+                safe_gate: bool) -> tuple:
+    """use_gate_in_kernel on the GPU, checked: the raw gate as fp32 and the kernels' activation arguments
+    (A_log [HV] fp32 or None, dt_bias [HV, K] fp32 or None, gate kind 1 softplus / 2 sigmoid, lower bound),
+    which kda_fwd_chunk and kda_bwd_gate form the log decay from (kda_gate: the same formula in torch)."""
+    check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
+    HV, K = g.shape[-2], g.shape[-1]
+    a = None if A_log is None else A_log.float().reshape(HV)
+    dt = None if dt_bias is None else dt_bias.float().reshape(HV, K)
+    kind = 1 if lower_bound is None else 2
+    return g.float(), (a, dt, kind, 0.0 if lower_bound is None else float(lower_bound))
 
 
 def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:

@@ -95,6 +95,11 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
     t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]), scale=saved["scale"])
+    gate = saved.get("gate")
+    if gate is not None:  # each chunk's parts of the gate parameters' gradients, summed after in a fixed order
+        C = saved["chunks"].shape[0]
+        t.update(gate=gate, ddt_bias_part=torch.empty(C, H, kda.HEAD_DIM, device=q.device, dtype=torch.float32),
+                 da_log_part=torch.empty(C, H, 2, device=q.device, dtype=torch.float32))
     if gate_form.startswith("split"):  # each channel half writes its dbeta partial; summed after, in a fixed order
         t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
     else:
@@ -104,14 +109,23 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
 
 def _launch_gate(t: dict, gate_form: str):
     desc = {name: kda.describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
-    registry.library("kda_bwd_gate", gate_form).launch(desc, t["scale"], kda.stream_of(t["q"]))
+    library, gate = registry.library("kda_bwd_gate", gate_form), t.get("gate")
+    if gate is None:
+        library.launch(desc, t["scale"], kda.stream_of(t["q"]))
+    else:
+        library.launch({**desc, **gate.descriptors()}, t["scale"], kda.stream_of(t["q"]), gate.kind, gate.lower_bound)
 
 
 def _gate_result(t: dict, dv, dh0) -> tuple:
-    """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run."""
+    """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run, and with the
+    gate's activation (dg: the raw gate's) dA_log [H] and ddt_bias [H, 128] after them (fp32, the
+    chunks' parts summed in chunk order)."""
     q = t["q"]
     dbeta = t["dbeta"] if "dbeta" in t else (t["dbeta_part"][0] + t["dbeta_part"][1]) + t["dbeta_v"][0]
-    return t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0
+    grads = (t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0)
+    if t.get("gate") is None:
+        return grads
+    return grads + (t["da_log_part"].sum(dim=(0, 2)), t["ddt_bias_part"].sum(dim=0))
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
@@ -264,21 +278,22 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     return saved, walk
 
 
-def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage unless Options.pipeline is off), then the chunk-parallel backward. Bitwise the same
     as the saved-context backward."""
     if kda._pipeline_on():
-        saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
+        saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate)
     else:
         prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                     save_tape=True)
+                                         save_tape=True, gate=gate)
         saved, walk = replay_walks(prepared, h0, do, dht)
         del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False):
+def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
+                            gate=None):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
     the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
@@ -292,7 +307,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
     chunk stage instead of the whole chain's (CP2 Q1 contiguous: rank 0's 1,584-chunk
     document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
-    prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True)
+    prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate)
     _check_dout(do, q)
     do = do.contiguous()  # once, not per group
     H = q.shape[2]
@@ -355,24 +370,31 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 
-def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht):
-    """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs)."""
+def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
+    """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs). With
+    gate (a kda.GateActivation) it returns dA_log and ddt_bias after the six gradients."""
     T, H = q.shape[1], q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
     groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
     if len(groups) == 1:
-        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht)
+        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
              None if h0 is None and dht is None else
              torch.empty(tables.n_segments, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
+    if gate is not None:
+        grads += (torch.empty(H, device=q.device, dtype=torch.float32),
+                  torch.empty(H, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
     for a, b in groups:
         part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
         state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
         got = _replay_step(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
-                           cu_seqlens, scale, part(do), state(dht))
+                           cu_seqlens, scale, part(do), state(dht), None if gate is None else gate.heads(a, b))
         for full, x in zip(grads[:5], got[:5]):
             full[:, :, a:b].copy_(x)
         if grads[5] is not None:
             grads[5][:, a:b].copy_(got[5])
+        if gate is not None:
+            grads[6][a:b].copy_(got[6])
+            grads[7][a:b].copy_(got[7])
     return grads

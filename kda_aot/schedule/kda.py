@@ -11,6 +11,8 @@ products) and kda_bwd_gate (gated products). The public op over both is kda_aot.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,6 +35,30 @@ def entering_decay(g_first: torch.Tensor, floor: float = GATE_FLOOR) -> torch.Te
     programs' times it: dh0 is then as accurate below the floor as above (it is e^g-small there, so
     the floor alone made its relative error e^(floor - g))."""
     return torch.exp(torch.clamp(g_first.float() - floor, max=0.0)).unsqueeze(-1)
+
+
+GATE_RAW, GATE_SOFTPLUS, GATE_SIGMOID = 0, 1, 2  # templates/common/kda.h GateKind
+
+
+@dataclass(frozen=True)
+class GateActivation:
+    """The gate's activation inside kda_fwd_chunk and kda_bwd_gate (templates/common/kda.h KdaGate): with it
+    g is the raw gate x, and the log decay is -exp(A_log) softplus(x + dt_bias) (GATE_SOFTPLUS) or
+    lower_bound sigmoid(exp(A_log) (x + dt_bias)) (GATE_SIGMOID); the backward's dg is then x's gradient,
+    and it gives A_log's and dt_bias's (kda_aot.ops.gate.kda_gate is the same formula in torch)."""
+    kind: int
+    a_log: Optional[torch.Tensor]    # [H] fp32, contiguous (None: exp(A_log) = 1, GATE_SIGMOID only)
+    dt_bias: Optional[torch.Tensor]  # [H, 128] fp32, contiguous, or None
+    lower_bound: float = 0.0
+
+    def heads(self, a: int, b: int) -> "GateActivation":
+        """The activation of heads [a, b) (the replay's head groups)."""
+        part = lambda x: None if x is None else x[a:b].contiguous()  # noqa: E731
+        return GateActivation(self.kind, part(self.a_log), part(self.dt_bias), self.lower_bound)
+
+    def descriptors(self) -> dict:
+        return {name: describe(x, name) for name, x in (("gate_a_log", self.a_log), ("gate_dt_bias", self.dt_bias))
+                if x is not None}
 
 
 def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
@@ -150,18 +176,19 @@ def _pick_form(what: str, form, forms: tuple) -> str:
     return form
 
 
-def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False):
+def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange."""
-    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
+    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
-def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None) -> dict:
+def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
+                         gate: Optional[GateActivation] = None) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
-    preallocated gamma."""
+    preallocated gamma; gate: the gate's activation (g the raw gate), kept for the backward."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
     C = tables.chunks.shape[0]
@@ -177,6 +204,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
+        "gate": gate,
     }
 
 
@@ -187,7 +215,12 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    registry.library("kda_fwd_chunk", form).launch(desc, t["scale"], stream_of(t["q"]))
+    gate = t.get("gate")
+    library = registry.library("kda_fwd_chunk", form)
+    if gate is None:
+        library.launch(desc, t["scale"], stream_of(t["q"]))
+    else:
+        library.launch({**desc, **gate.descriptors()}, t["scale"], stream_of(t["q"]), gate.kind, gate.lower_bound)
 
 
 def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
@@ -228,7 +261,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None):
+                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
@@ -236,8 +269,9 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     auto = the fit rule). want_output=False: the walk skips the output stage (the replay
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
-    stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline."""
-    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out)
+    stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
+    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay)."""
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.

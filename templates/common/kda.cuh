@@ -22,6 +22,69 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // The gate as every program sums it: at least -kGateFloor (g = -inf, a reset, becomes finite); NaN stays NaN.
 __device__ __forceinline__ float floored_gate(float g) { return g < -kGateFloor ? -kGateFloor : g; }
 
+// The gate's activation of one (head, channel), in hardware ex2 / lg2 (libm's expf and log1pf cost ~2.5 ms a
+// pass over a Q1 pack's 1e9 gate values): every operation an approx op or an _rn intrinsic, so that the
+// programs that form it (kda_fwd_chunk, kda_bwd_gate) get the same bits. Its error is absolute, ~1e-7 of
+// softplus and sigmoid (lg2.approx over [1, 2], ex2.approx's 2 ulp): far under the bf16 operands' 4e-3.
+struct GateChannel {
+  int kind;
+  float a;   // exp(A_log) of the head
+  float dt;  // dt_bias of the channel
+  float lower_bound;
+};
+
+__device__ __forceinline__ GateChannel gate_channel(const KdaGate& gate, int64_t h, int64_t d) {
+  GateChannel c;
+  c.kind = gate.kind;
+  c.a = gate.a_log ? expf(gate.a_log[h]) : 1.f;
+  c.dt = gate.dt_bias ? gate.dt_bias[h * kHeadDim + d] : 0.f;
+  c.lower_bound = gate.lower_bound;
+  return c;
+}
+
+constexpr float kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ float lg2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// softplus(z) = max(z, 0) + log1p(e) and sigmoid(z), from e = exp(-|z|) in (0, 1] (no overflow; z = +-inf
+// gives what torch's softplus and sigmoid give; NaN stays NaN).
+struct SoftplusSigmoid {
+  float softplus, sigmoid;
+};
+__device__ __forceinline__ SoftplusSigmoid softplus_sigmoid(float z) {
+  const float e = exp2_approx(__fmul_rn(-fabsf(z), kLog2e)), one_e = __fadd_rn(1.f, e);
+  SoftplusSigmoid r;
+  r.softplus = __fadd_rn(fmaxf(z, 0.f), __fmul_rn(lg2_approx(one_e), kLn2));
+  r.sigmoid = __fdividef(z >= 0.f ? 1.f : e, one_e);
+  return r;
+}
+
+// The log decay of raw gate x (x itself for kGateRaw).
+__device__ __forceinline__ float activated_gate(const GateChannel& c, float x) {
+  if (c.kind == kGateRaw) return x;
+  const float z = __fadd_rn(x, c.dt);
+  if (c.kind == kGateSoftplus) return __fmul_rn(-c.a, softplus_sigmoid(z).softplus);
+  return __fmul_rn(c.lower_bound, softplus_sigmoid(__fmul_rn(c.a, z)).sigmoid);
+}
+
+// d g / d x and d g / d A_log of the activation at raw x (kind != kGateRaw).
+__device__ __forceinline__ void gate_derivatives(const GateChannel& c, float x, float& d_x, float& d_alog) {
+  const float z = __fadd_rn(x, c.dt);
+  if (c.kind == kGateSoftplus) {
+    const SoftplusSigmoid f = softplus_sigmoid(z);
+    d_x = __fmul_rn(-c.a, f.sigmoid);
+    d_alog = __fmul_rn(-c.a, f.softplus);  // g itself: A = exp(A_log)
+  } else {
+    const float az = __fmul_rn(c.a, z), s = softplus_sigmoid(az).sigmoid;
+    const float slope = __fmul_rn(c.lower_bound, __fmul_rn(s, __fsub_rn(1.f, s)));  // d g / d (a z)
+    d_x = __fmul_rn(slope, c.a);
+    d_alog = __fmul_rn(slope, az);
+  }
+}
+
 // Rows [0, len) of one head of a token-major [T, H, 128] bf16 tensor into a [64][kPitch] shared
 // tile; rows [len, 64) are zero so that short chunks need no special cases in the products.
 __device__ __forceinline__ void load_chunk_rows(__nv_bfloat16 (*dst)[kPitch], const uint16_t* src, int64_t t0,

@@ -16,6 +16,21 @@ constexpr int kMaxHeads = 64;
 // e^(4 x 20) (docs/numerics.md).
 constexpr float kGateFloor = 20.f;
 
+// The gate's activation inside the programs (chunk_kda's use_gate_in_kernel): with kind != kGateRaw, g holds
+// the raw gate x and kda_fwd_chunk and kda_bwd_gate form the log decay from it before the cumulative sum,
+// so the activated gate never goes through memory (kda.cuh: activated_gate).
+enum GateKind : int {
+  kGateRaw = 0,       // g is the log decay
+  kGateSoftplus = 1,  // -exp(A_log) softplus(x + dt_bias)
+  kGateSigmoid = 2,   // lower_bound sigmoid(exp(A_log) (x + dt_bias))
+};
+struct KdaGate {
+  int kind;
+  float lower_bound;
+  const float* a_log;    // [H] fp32, or null: exp(A_log) = 1
+  const float* dt_bias;  // [H, 128] fp32, or null: 0
+};
+
 struct KdaFwdArgs {
   // inputs
   const uint16_t* q;            // [T, H, 128] bf16
@@ -42,6 +57,7 @@ struct KdaFwdArgs {
   float* transfer;              // kcp_transfer output: [N, H, 128, 128] fp32 M = A_n ... A_1 per segment
   float* tape;                  // [n_chunks, H, 128, 128] fp32 state at each chunk start, or null
   uint16_t* vnew;               // [T, H, 128] bf16 V' = U - W S, or null (both kept for the saved backward)
+  KdaGate gate;                 // kda_fwd_chunk: how g becomes the log decay
 };
 
 }  // namespace kda
@@ -89,6 +105,11 @@ struct KdaBwdArgs {
   float* dg;                     // [T, H, 128] fp32
   float* dbeta;                  // [T, H] fp32
   float* dbeta_part;             // [2, T, H] fp32: per channel half, when two CTAs share a (chunk, head)
+  // with the gate's activation (gate.kind != kGateRaw) dg is the raw gate's gradient, and each chunk's parts
+  // of the parameters' gradients are written (the caller sums them over chunks, in a fixed order):
+  KdaGate gate;
+  float* ddt_bias_part;          // [n_chunks, H, 128] fp32: sum over the chunk's rows of dg
+  float* da_log_part;            // [n_chunks, H, 2] fp32: per channel half, sum of dG dG/dA_log (full width: [.., 1] = 0)
   int64_t T, N, H, n_chunks;
   float scale;
 };

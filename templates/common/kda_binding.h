@@ -27,7 +27,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
                                  "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
-                                 "dbeta_part", "transfer"};
+                                 "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
+                                 "da_log_part"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -115,6 +116,10 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dbeta", kFloat32, {1, T, H}, "[1, T, H]"},
       {"dbeta_part", kFloat32, {2, T, H}, "[2, T, H]"},
       {"transfer", kFloat32, state, "[N, H, 128, 128]"},
+      {"gate_a_log", kFloat32, {H}, "[H]"},
+      {"gate_dt_bias", kFloat32, {H, kHeadDim}, "[H, 128]"},
+      {"ddt_bias_part", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
+      {"da_log_part", kFloat32, {C, H, 2}, "[n_chunks, H, 2]"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -127,7 +132,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     // (seg_chunks too: a view narrowed to one segment starts at any int32)
     const bool scalar = std::string(sp.name) == "beta" || std::string(sp.name) == "dbeta" ||
                         std::string(sp.name) == "dbeta_v" || std::string(sp.name) == "dbeta_part" ||
-                        std::string(sp.name) == "daqk_diag" ||
+                        std::string(sp.name) == "daqk_diag" || std::string(sp.name) == "gate_a_log" ||
+                        std::string(sp.name) == "gate_dt_bias" || std::string(sp.name) == "da_log_part" ||
                         std::string(sp.name) == "seg_chunks";
     expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
@@ -140,6 +146,26 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   return out;
 }
 
+// The gate's activation (KdaGate): its kind and lower bound from the caller, its parameter tensors from the
+// checked set. Raw (kind 0) takes no parameter tensor; the others need g, and lower_bound < 0 for the sigmoid.
+inline KdaGate gate_args(const KdaTensors& k, int kind, double lower_bound, const char* what) {
+  if (kind != kGateRaw && kind != kGateSoftplus && kind != kGateSigmoid)
+    fail_value(std::string(what) + ": gate_kind must be 0 (g is the log decay), 1 (softplus) or 2 (sigmoid), got " +
+               std::to_string(kind));
+  if (kind == kGateRaw && (k.ptr("gate_a_log") || k.ptr("gate_dt_bias")))
+    fail_value(std::string(what) + ": gate_a_log / gate_dt_bias given with gate_kind 0 (g is the log decay)");
+  if (kind == kGateSoftplus && !k.ptr("gate_a_log"))
+    fail_type(std::string(what) + ": gate_kind 1 (-exp(A_log) softplus) needs gate_a_log");
+  if (kind == kGateSigmoid && !(lower_bound < 0.0))
+    fail_value(std::string(what) + ": gate_kind 2 needs lower_bound < 0, got " + std::to_string(lower_bound));
+  KdaGate gate{};
+  gate.kind = kind;
+  gate.lower_bound = static_cast<float>(lower_bound);
+  gate.a_log = reinterpret_cast<const float*>(k.ptr("gate_a_log"));
+  gate.dt_bias = reinterpret_cast<const float*>(k.ptr("gate_dt_bias"));
+  return gate;
+}
+
 template <typename Args>
 inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const Args& a, uint64_t stream,
                          const char* what) {
@@ -149,9 +175,11 @@ inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const 
 }
 
 inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what) {
+                           int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what,
+                           int gate_kind = kGateRaw, double lower_bound = 0.0) {
   const KdaTensors k = check_kda_tensors(tensors, need, what);
   KdaFwdArgs a{};
+  a.gate = gate_args(k, gate_kind, lower_bound, what);
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
   a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
   a.v = reinterpret_cast<const uint16_t*>(k.ptr("v"));
@@ -183,9 +211,15 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
 // need_one: tensors of which at least one must be given (outputs of which a call may leave some out).
 inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what,
-                           const std::vector<std::string>& need_one = {}) {
+                           const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
+                           double lower_bound = 0.0) {
   const KdaTensors k = check_kda_tensors(tensors, need, what, need_one);
   KdaBwdArgs a{};
+  a.gate = gate_args(k, gate_kind, lower_bound, what);
+  if (gate_kind != kGateRaw && !(k.ptr("ddt_bias_part") && k.ptr("da_log_part")))
+    fail_type(std::string(what) + ": the gate's activation needs ddt_bias_part and da_log_part");
+  a.ddt_bias_part = reinterpret_cast<float*>(k.ptr("ddt_bias_part"));
+  a.da_log_part = reinterpret_cast<float*>(k.ptr("da_log_part"));
   a.dout = reinterpret_cast<const uint16_t*>(k.ptr("dout"));
   a.w = reinterpret_cast<const uint16_t*>(k.ptr("w"));
   a.qg = reinterpret_cast<const uint16_t*>(k.ptr("qg"));
