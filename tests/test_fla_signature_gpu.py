@@ -105,10 +105,31 @@ def test_fla_dispatch_runs_kda_aot():
         del os.environ["FLA_KDA_AOT"]
 
 
+TORCH_GATE = 1e-3  # the kernels' activation against torch's: see assert_as_the_torch_activation
+
+
+def assert_as_the_torch_activation(x, o, s, grads, lower_bound):
+    """The call on the raw gate (o, s, grads of x's leaves) gives what the same call on the gate activated in
+    torch before the op gives (kda_aot.ops.gate.kda_gate; autograd forms dA_log and ddt_bias from the
+    kernels' dg), to TORCH_GATE relative RMS: the kernels' hardware ex2 / lg2 activation is an ulp or so off
+    torch's libm one (~1e-7 absolute for sigmoid, an ulp of softplus), which moves a few bf16 roundings
+    downstream; a dA_log or ddt_bias wrong in its formula or its sum is off by O(1)."""
+    from kda_aot.ops.gate import kda_gate
+    leaves = {n: x[n].clone().requires_grad_() for n in grads}
+    g_act = kda_gate(leaves["g"], leaves.get("A_log"), leaves["dt_bias"], lower_bound)
+    to, ts = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], g_act, leaves["b"], None, leaves["h0"],
+                               True, True, False, True, cu_seqlens=x["cu"])
+    torch.autograd.backward((to, ts), (x["do"].to(torch.bfloat16), x["dht"]))
+    assert rel_rms(o, to) < TORCH_GATE and rel_rms(s, ts) < TORCH_GATE, (rel_rms(o, to), rel_rms(s, ts))
+    for n in grads:
+        err = rel_rms(grads[n], leaves[n].grad)
+        assert err < TORCH_GATE, f"d{n} against the torch activation: {err:.2e}"
+
+
 @pytest.mark.parametrize("lower_bound,with_a_log", [(-3.0, True), (-3.0, False)])
 def test_sigmoid_gate_in_the_kernels(lower_bound, with_a_log):
     """The sigmoid kind (lower_bound sigmoid(exp(A_log) (g + dt_bias)), A_log optional) against FLA's
-    formula in fp64, its dA_log included, saved == replay bitwise."""
+    formula in fp64, its dA_log included, and against torch's activation of it; saved == replay bitwise."""
     x = cuda_inputs(4, 4, ("sigmoid-gate", with_a_log))
     names = ("q", "k", "v", "g", "b", "h0", "dt_bias") + (("A_log",) if with_a_log else ())
     leaves = {n: x[n].clone().requires_grad_() for n in names}
@@ -122,6 +143,7 @@ def test_sigmoid_gate_in_the_kernels(lower_bound, with_a_log):
         torch.autograd.backward((o, s), (x["do"].to(torch.bfloat16), x["dht"]))
         return o, s, {n: leaves[n].grad.clone() for n in names}
     o, s, grads = call("replay")
+    assert_as_the_torch_activation(x, o, s, grads, lower_bound)
     cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
     if not with_a_log:
@@ -139,25 +161,15 @@ def test_sigmoid_gate_in_the_kernels(lower_bound, with_a_log):
 
 @pytest.mark.parametrize("strong", [False, True])
 def test_gate_in_the_kernels_against_the_torch_activation(strong):
-    """The raw gate activated inside kda_fwd_chunk / kda_bwd_gate gives what the same call on the gate
-    activated in torch before the op gives (kda_aot.ops.gate.kda_gate; autograd forms dA_log and ddt_bias
-    from the kernels' dg), to 1e-3: the kernels' hardware ex2 / lg2 activation is ~1e-7 off torch's libm one,
-    which moves a few bf16 roundings downstream (a dA_log or ddt_bias wrong in its formula or its sum is off
-    by O(1)); and meets the fp64 bounds. strong: A_log such that the gate reaches ~-30 (the floor, the first
-    tokens' decay)."""
+    """The softplus kind, the raw gate activated inside kda_fwd_chunk / kda_bwd_gate, against torch's
+    activation (assert_as_the_torch_activation) and the fp64 bounds. strong: A_log such that the gate
+    reaches ~-30 (the floor, the first tokens' decay)."""
     from kda_aot.ops.gate import kda_gate
     x = cuda_inputs(4, 4, ("gate-in-kernel", strong))
     if strong:
         x["A_log"] = x["A_log"] + 3.0
     o, s, grads = run(x)
-    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
-    g_act = kda_gate(leaves["g"], leaves["A_log"], leaves["dt_bias"], None)
-    to, ts = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], g_act, leaves["b"], None, leaves["h0"],
-                               True, True, False, True, cu_seqlens=x["cu"])
-    torch.autograd.backward((to, ts), (x["do"].to(torch.bfloat16), x["dht"]))
-    assert rel_rms(o, to) < 1e-3 and rel_rms(s, ts) < 1e-3, (rel_rms(o, to), rel_rms(s, ts))
-    for n in grads:
-        assert rel_rms(grads[n], leaves[n].grad) < 1e-3, f"d{n}: {rel_rms(grads[n], leaves[n].grad):.2e}"
+    assert_as_the_torch_activation(x, o, s, grads, None)
     cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
     eo, es, egrads, act = expected(cpu, lower_bound=None, neg=False, v_first=False, activated=True)
