@@ -1,11 +1,14 @@
 """The launch bookkeeping of the replay orders, emulated on the CPU: every kernel is replaced by a
 small CPU stand-in with the same data flow (chunk-parallel programs compute per chunk row of the
 table they are given, the walks carry a state along each segment they are given, forwards and
-backwards), CUDA streams and events by no-ops (the stand-ins run in launch order, so this checks
-which chunk ranges, segments and tensors each launch gets, not the GPU's ordering: the GPU tests
-check that, bitwise). Every order must then give the same bits: the plain replay, the pipelined
-replay and the saved mode; with mixed walk plans too. Outputs start as NaN, so a chunk no launch covers shows."""
+backwards). The stand-ins run in launch order, which checks which chunk ranges, segments and tensors each
+launch gets: every order must give the same bits (the plain replay, the pipelined replay and the saved mode;
+with mixed walk plans too; outputs start as NaN, so a chunk no launch covers shows). The streams carry vector
+clocks instead, and every launch is held to having waited for the earlier launches that wrote what it reads
+or touched what it writes (_Ordering, over byte ranges): the orders the GPU may run them in, which launch
+order hides (test_the_ordering_check_sees_a_missing_wait shows it failing)."""
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -99,9 +102,98 @@ _PROGRAMS = {"kda_fwd_chunk": _fwd_chunk, "kda_fwd_walk": _fwd_walk, "kda_bwd_wa
              "kda_bwd_chunk": _bwd_chunk, "kda_bwd_gate": _gate}
 
 
+# What each program's kernel reads and writes (as the stand-ins above use them): the ordering check below
+# holds every launch to having waited for the launches that wrote what it reads, and for those that read or
+# wrote what it writes.
+_READS = {"kda_fwd_chunk": ("q", "k", "v", "g", "beta"),
+          "kda_fwd_walk": ("w", "u", "qg", "kg", "aqk", "gamma", "initial_state"),
+          "kda_bwd_walk": ("dout", "w", "qg", "kg", "aqk", "gamma", "dfinal_state"),
+          "kda_bwd_chunk": ("dtape", "tape", "dout", "vnew", "kg", "aqk", "akk_inv", "u", "v", "w", "beta", "gamma"),
+          "kda_bwd_gate": ("dqg", "dkg", "drk", "daqk", "daqk_diag", "dakk", "dbeta_v", "dgam_s", "q", "k", "g", "beta")}
+_WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"),
+           "kda_fwd_walk": ("tape", "vnew", "o", "final_state"),
+           "kda_bwd_walk": ("dtape", "dinitial_state"),
+           "kda_bwd_chunk": ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s"),
+           "kda_bwd_gate": ("dq", "dk", "dg", "dbeta", "dbeta_part")}
+_WALKS = ("kda_fwd_walk", "kda_bwd_walk")
+_CHUNK_ROWS = ("gamma", "tape", "dtape", "dgam_s")
+
+
+class _Stream:
+    """A stream with a vector clock: launches are numbered; waiting on a stream or an event takes its clock."""
+    ids = itertools.count(1)
+
+    def __init__(self):
+        self.id, self.launched, self.clock = next(_Stream.ids), 0, {}
+        self.cuda_stream = self
+
+    def now(self) -> dict:
+        return {**self.clock, self.id: self.launched}
+
+    def wait_stream(self, other):
+        self.wait_event(other.now())
+
+    def record_event(self):
+        return self.now()
+
+    def wait_event(self, event):
+        assert event is not None
+        for sid, n in event.items():
+            self.clock[sid] = max(self.clock.get(sid, 0), n)
+
+
+class _Ordering:
+    """Every launch's byte ranges read and written, and the check that each launch has waited (in the
+    streams' clocks) for every earlier launch that wrote what it touches or read what it writes: what the
+    GPU may reorder, which the stand-ins running in launch order would hide."""
+
+    def __init__(self):
+        self.current = [_Stream()]
+        self.history = []  # (lo, hi, writes, (stream id, launch), label, tensor kept alive: no address reuse)
+
+    def launch(self, program, desc, stream):
+        stream.launched += 1
+        me = (stream.id, stream.launched)
+        chunks = desc["chunks"]
+        if program in _WALKS:  # whole tables; the walk covers chunks [seg_chunks[0], seg_chunks[-1])
+            c0, c1 = int(desc["seg_chunks"][0]), int(desc["seg_chunks"][-1])
+            rows = [(c0, c1)] if c1 > c0 else []
+            tokens = (int(chunks[c0][0]), int(chunks[c1 - 1][1])) if rows else None
+        else:  # chunk-indexed tensors narrowed to the launch's chunks
+            rows = None
+            tokens = (int(chunks[0][0]), int(chunks[-1][1])) if chunks.shape[0] else None
+        touched = []
+        for writes, names in ((False, _READS[program]), (True, _WRITES[program])):
+            for name in names:
+                x = desc.get(name)
+                if isinstance(x, torch.Tensor) and x.numel() and tokens is not None:
+                    touched += [(lo, hi, writes, name, x) for lo, hi in self._ranges(name, x, rows, tokens)]
+        for lo, hi, writes, name, x in touched:
+            for plo, phi, pwrites, op, label, _ in self.history:
+                if lo < phi and plo < hi and (writes or pwrites):
+                    sid, n = op
+                    assert sid == stream.id or stream.clock.get(sid, 0) >= n, (
+                        f"{program} {'writes' if writes else 'reads'} {name} without waiting for {label}")
+        self.history += [(lo, hi, writes, me, f"{program}'s {'write' if writes else 'read'} of {name}", x)
+                         for lo, hi, writes, name, x in touched]
+
+    @staticmethod
+    def _ranges(name, x, rows, tokens):
+        es, ptr = x.element_size(), x.data_ptr()
+        if name in _CHUNK_ROWS:
+            if rows is None:  # narrowed to the launch's chunks
+                return [(ptr, ptr + x.numel() * es)]
+            return [(ptr + a * x.stride(0) * es, ptr + b * x.stride(0) * es) for a, b in rows]
+        if name in kda._PER_SEGMENT:  # narrowed to the launch's segments
+            return [(ptr, ptr + x.numel() * es)]
+        t0, t1 = tokens  # token-indexed [P, T, ...]: the launch's tokens in every plane
+        return [(ptr + (p * x.stride(0) + t0 * x.stride(1)) * es, ptr + (p * x.stride(0) + t1 * x.stride(1)) * es)
+                for p in range(x.shape[0])]
+
+
 class _Library:
-    def __init__(self, program):
-        self.program = program
+    def __init__(self, program, ordering):
+        self.program, self.ordering = program, ordering
 
     def launch(self, desc, scale, stream):
         # what the bindings check: chunk-indexed tensors one row per chunk of the table, segment-
@@ -111,34 +203,39 @@ class _Library:
             assert desc.get(name) is None or desc[name].shape[0] == C, (self.program, name)
         for name in kda._PER_SEGMENT:
             assert desc.get(name) is None or desc[name].shape[0] == N, (self.program, name)
+        self.ordering.launch(self.program, desc, stream)
         _PROGRAMS[self.program]({name: x for name, x in desc.items()})
-
-
-class _Stream:
-    cuda_stream = 0
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self):
-        return object()
-
-    def wait_event(self, event):
-        assert event is not None
 
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """kda's kernels, streams and SM count replaced for the CPU (descriptors are the tensors)."""
+    """kda's kernels, streams and SM count replaced for the CPU (descriptors are the tensors); the streams
+    carry clocks and every launch is checked against what it reads and writes (_Ordering). Returns it."""
+    order, pools = _Ordering(), {}
+
+    def side_streams(device, n, pool):  # one pool per user, kept as kda keeps them
+        have = pools.setdefault(pool, [])
+        while len(have) < n:
+            have.append(_Stream())
+        return have[:n]
+
+    @contextlib.contextmanager
+    def on(stream):
+        order.current.append(stream)
+        try:
+            yield
+        finally:
+            order.current.pop()
     monkeypatch.setattr(kda, "describe", lambda x, name: x)
-    monkeypatch.setattr(kda, "stream_of", lambda x: 0)
-    monkeypatch.setattr(kda.registry, "library", lambda program, form="default": _Library(program))
+    monkeypatch.setattr(kda, "stream_of", lambda x: order.current[-1])
+    monkeypatch.setattr(kda.registry, "library", lambda program, form="default": _Library(program, order))
     monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
     monkeypatch.setattr(kda, "_on_gpu", lambda x: True)  # the pipelined orders on the CPU stand-ins
-    monkeypatch.setattr(kda, "_side_streams", lambda device, n, pool: [_Stream() for _ in range(n)])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(kda, "_side_streams", side_streams)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: order.current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
     fit.pipelined_walk_sms.cache_clear()
+    return order
 
 
 def _inputs(lens, H, seed):
@@ -286,3 +383,18 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
     grads_b = backend.backward(ctx_b, do, true, walk=walk, rewalk=remote)
     for x, y in zip(grads_a, grads_b):
         assert not torch.isnan(y).any() and torch.equal(x, y)
+
+
+def test_the_ordering_check_sees_a_missing_wait(emulated, monkeypatch):
+    """The ordering check can fail. Without the side streams' wait for the current stream, a pipelined walk
+    reads its chunk stage's output unwaited; without the current stream's join of the side streams, the
+    replay's kda_bwd_chunk reads the walks' tapes unwaited."""
+    q, k, v, g, beta, cu, h0, do, dht = _inputs([300, 129, 700], 2, SEED + 5)
+    wait = _Stream.wait_stream
+    main = emulated.current[0]
+    monkeypatch.setattr(_Stream, "wait_stream", lambda self, other: wait(self, other) if self is main else None)
+    with pytest.raises(AssertionError, match="kda_fwd_walk reads .* without waiting for kda_fwd_chunk"):
+        kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, pipeline=True)
+    monkeypatch.setattr(_Stream, "wait_stream", lambda self, other: None if self is main else wait(self, other))
+    with pytest.raises(AssertionError, match="kda_bwd_chunk reads .* without waiting for kda_(fwd|bwd)_walk"):
+        backward._replay_step(q, k, v, g, beta, h0, cu, 0.1, do, dht)
