@@ -55,6 +55,33 @@ def test_cp_forward_plan_leads_with_the_critical_pieces():
     assert plan.first == (1,)
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["current-stream", "beside"])
+def test_cp_forward_plan_ends_in_its_exchange(beside):
+    """CP: the plan's exchange node waits for the walks of the groups that hold the senders and, on a stream of
+    its own, for the chunk stage queued last of the summarised segments' groups (and of the deferred ones'
+    before their walks); the deferred segments are walked after it, in runs of consecutive segments."""
+    lengths, first, deferred = (5, 40, 3, 12, 7), (1,), (0, 3, 4)
+    plan = forward_plan(lengths, 32, 132, first=first, deferred=deferred, cp=True, summarised=(3,),
+                        exchange_beside=beside)
+    covered(plan)
+    node = plan.exchange
+    assert node.after_walks == plan.groups_of(first) and node.beside == beside
+    assert node.deferred_runs == ((0, 1), (3, 5))
+    order = [g for g, p in plan.launches if p is None]
+    if beside:
+        assert node.after_stage == plan.groups_of((3,))[0]
+        assert node.walks_after_stage == max(plan.groups_of(deferred), key=order.index)
+    else:
+        assert node.after_stage is None and node.walks_after_stage is None
+    text = plan.explain()
+    assert "then the exchange" in text and "segments [0, 1), segments [3, 5)" in text
+    assert text.count("walked after the exchange") == sum(
+        all(s in deferred for s in range(a, b)) for a, b in plan.groups)
+    assert forward_plan(lengths, 32, 132).exchange is None  # one GPU: no exchange
+    with pytest.raises(ValueError, match=r"summarised segments \[1\] must be deferred ones"):
+        forward_plan(lengths, 32, 132, first=first, deferred=deferred, cp=True, summarised=(1,))
+
+
 def test_replay_plan_orders_pieces_from_both_ends():
     plan = replay_plan(CP2_Q1_RANK0, 32, 132, pieced=True)
     covered(plan)

@@ -336,16 +336,14 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     plain order: bitwise the same. The outputs are allocated before, on the current stream.
     deferred, entering, senders (context parallelism, chunk_kda_fwd_deferred): the `senders`
     segments go first (their walks' final states are what other ranks wait for); the walks of the
-    `deferred` segments are left out of the groups; once the whole chunk stage is queued (launch
-    order), entering(prepared, final_state) runs after the senders' walks and gives the deferred
-    segments' entering states (in `deferred`'s order, sorted), and they are walked from them beside
-    the other walks: on the current stream after the whole chunk stage, or (exchange_beside) on a
-    stream of their own that waits for what came before this forward, the senders' walks and the
-    chunk stage of the `summarised` segments (the deferred ones whose summaries entering computes;
-    default: all) only, the deferred walks then for their own chunk stage - not for the rest of the
-    chunk stage, which the walks beside it may slow: the exchange goes as soon as the ranks' senders
-    are done (CP2 Q3 zigzag: rank 1's exchange waited 3.2 ms for its chunk stage after its
-    sender's walk was done)."""
+    `deferred` segments are left out of the groups; the plan's exchange node (plan.Exchange) runs once
+    the whole chunk stage is queued: entering(prepared, final_state), after the senders' walks, gives the
+    deferred segments' entering states (in `deferred`'s order, sorted), and they are walked from them
+    beside the other walks: on the current stream after the whole chunk stage, or (exchange_beside) on a
+    stream of its own that waits for what came before this forward, the senders' walks and the chunk stage
+    of the `summarised` segments (the deferred ones whose summaries entering computes; default: all) only,
+    the deferred walks then for their own chunk stage - not for the rest of the chunk stage, which the
+    walks beside it may slow: the exchange goes as soon as the ranks' senders are done."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
@@ -354,14 +352,13 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     sms = _sm_count(q.device)
     lengths = prepared["chain_lengths"]
     deferred, first = sorted(deferred), tuple(sorted(senders))
-    summarised = deferred if summarised is None else sorted(summarised)
-    if not set(summarised) <= set(deferred):
-        raise ValueError(f"summarised segments {summarised} must be deferred ones ({deferred})")
     # One group's segment in pieces (plan.pieces; one GPU: the last group, whose walk would otherwise
     # start only once its whole chunk stage is done and then run alone at the end; CP: the rank's
     # longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored and
     # loaded exactly: bitwise the one walk). Never a deferred segment (it waits for the exchange).
-    plan = forward_plan(lengths, H, sms, first=first, deferred=tuple(deferred), cp=entering is not None)
+    # CP (entering given): the plan ends in its exchange node (plan.Exchange).
+    plan = forward_plan(lengths, H, sms, first=first, deferred=tuple(deferred), cp=entering is not None,
+                        summarised=None if summarised is None else tuple(summarised), exchange_beside=exchange_beside)
     bounds = piece_chunks = None
     if plan.pieces is not None:
         bounds = plan.pieces.bounds
@@ -391,30 +388,25 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
                                out=run_out, walk_form=walk_form, want_output=want_output, sm_count=sm_count,
                                pool=f"kda_fwd_walk/pipeline{i}")
 
-    def walk_deferred(groups, streams):
+    def exchange(groups, streams):  # plan.exchange: the collective, then the deferred segments' walks
+        node = plan.exchange
         main = torch.cuda.current_stream(q.device)
-        on = _side_streams(q.device, 1, "kda_fwd_walk/exchange")[0] if exchange_beside else main
-        for i, (a, b) in enumerate(groups):  # the senders' final states, read on that stream
-            if any(a <= s < b for s in first):
-                for side in streams[i]:
-                    on.wait_stream(side)
-
-        def chunk_stage_of(segments):  # on `on`: the chunk stage of these segments is done
-            last = [i for i, (a, b) in enumerate(groups) if any(a <= s < b for s in segments)]
-            if last:
-                queued = list(stage_done)  # in launch order: the last one queued covers the others
-                on.wait_event(stage_done[max(last, key=queued.index)])
-        if exchange_beside:
+        on = _side_streams(q.device, 1, "kda_fwd_walk/exchange")[0] if node.beside else main
+        for i in node.after_walks:  # the senders' final states, read on that stream
+            for side in streams[i]:
+                on.wait_stream(side)
+        if node.beside:
             on.wait_event(before)  # what came before (an earlier collective: one order on every rank)
-            chunk_stage_of(summarised)  # what the summaries read
+            if node.after_stage is not None:  # what the summaries read
+                on.wait_event(stage_done[node.after_stage])
         try:
             with torch.cuda.stream(on):
                 states = entering(prepared, full["final_state"])  # CP summaries and exchange
-                if exchange_beside:
-                    chunk_stage_of(deferred)  # what their walks read
+                if node.walks_after_stage is not None:  # what their walks read
+                    on.wait_event(stage_done[node.walks_after_stage])
                 part = {name: x for name, x in full.items() if x is not None}
                 start = 0
-                for ra, rb in segment_runs(set(deferred), len(lengths)):
+                for ra, rb in node.deferred_runs:
                     n = rb - ra
                     chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
                                    output_final_state=True, save_tape=save_tape,
@@ -427,7 +419,7 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     stage_done = {} if exchange_beside else None
     before = torch.cuda.current_stream(q.device).record_event() if exchange_beside else None
     _pipelined(prepared, initial_state, ("pipeline",), walk, plan, piece_chunks,
-               walk_deferred if entering is not None else None, stage_done=stage_done)
+               exchange if plan.exchange is not None else None, stage_done=stage_done)
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None

@@ -3,7 +3,8 @@ group's walks follow each of them, on how many SMs those walks are planned. A pl
 one planner from the pack's chain lengths, the head count and the SM count (and, for context
 parallelism, the segments that are sent or wait for the exchange); the executors in kda.py run it.
 
-    forward_plan(chain_lengths, heads, sms)           the pipelined forward (chunk_kda_fwd)
+    forward_plan(chain_lengths, heads, sms)           the pipelined forward (chunk_kda_fwd); with cp=True
+                                                      and the deferred segments, its exchange node (CP)
     replay_plan(chain_lengths, heads, sms)            the replay's walks beside its chunk stage
     print(plan) / plan.explain()                      the schedule, one launch a line
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from . import fit
@@ -33,6 +34,33 @@ class Pieces:
 
 
 @dataclass(frozen=True)
+class Exchange:
+    """Context parallelism's step inside the pipelined forward, once every chunk-stage launch is queued: the
+    collective (the summaries and the exchange: the executor's `entering`) gives the deferred segments their
+    entering states, and their walks follow it. The groups are the plan's, by index."""
+    after_walks: Tuple[int, ...]           # groups whose walks write the senders' final states, which it sends
+    after_stage: Optional[int]             # beside: the group whose chunk stage (queued last of those that
+    #                                        hold summarised segments) the summaries read, or None
+    walks_after_stage: Optional[int]       # beside: the same for the deferred segments, which their walks read
+    deferred_runs: Tuple[Tuple[int, int], ...]  # the deferred segments in runs of consecutive ones
+    beside: bool                           # on a stream of its own, which waits for what came before the
+    #                                        forward and for those launches only; else the current stream,
+    #                                        after the whole chunk stage
+
+    def explain(self, groups) -> str:
+        where = ("on its own stream, after what came before the forward" if self.beside else
+                 "on the current stream, after the whole chunk stage")
+        waits = [f"the walks of groups {list(self.after_walks)}"] if self.after_walks else []
+        if self.after_stage is not None:
+            waits.append(f"group {self.after_stage}'s chunk stage")
+        then = ", ".join(f"segments [{a}, {b})" for a, b in self.deferred_runs) or "nothing"
+        if self.walks_after_stage is not None and self.deferred_runs:
+            then += f" (after group {self.walks_after_stage}'s chunk stage)"
+        return (f"  then the exchange {where}" + (f", waiting for {' and '.join(waits)}" if waits else "")
+                + f"; then the deferred walks: {then}")
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     kind: str                                  # "forward" | "replay"
     chain_lengths: Tuple[int, ...]             # chunks per segment
@@ -44,6 +72,7 @@ class PipelinePlan:
     walk_sms: Tuple[Tuple[str, Tuple[int, ...]], ...]  # (program, SMs of each group's walk)
     first: Tuple[int, ...] = ()                # segments that go first (CP: the senders)
     deferred: Tuple[int, ...] = ()             # segments whose walk waits for the exchange (CP)
+    exchange: Optional[Exchange] = None        # CP: the exchange and the deferred walks, after the launches
 
     def sms_of(self, program: str, group: int) -> int:
         return dict(self.walk_sms)[program][group]
@@ -70,10 +99,24 @@ class PipelinePlan:
             c0, c1 = self.chunk_range(g, p)
             a, b = self.groups[g]
             what = f"piece {p} of segment {a}" if p is not None else f"segments [{a}, {b})"
+            if all(s in self.deferred for s in range(a, b)):
+                lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}): walked after the exchange")
+                continue
             walks = ", ".join(f"{prog} on {self.sms_of(prog, g)} SMs" for prog, _ in self.walk_sms)
             lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}), then beside what follows: "
                          f"group {g}'s walks ({walks})")
+        if self.exchange is not None:
+            lines.append(self.exchange.explain(self.groups))
         return "\n".join(lines)
+
+    def groups_of(self, segments) -> Tuple[int, ...]:
+        """The groups that hold any of `segments`."""
+        return tuple(i for i, (a, b) in enumerate(self.groups) if any(a <= s < b for s in segments))
+
+    def last_queued(self, groups) -> Optional[int]:
+        """Of `groups`, the one whose (whole-group) chunk stage is launched last, or None."""
+        order = [g for g, p in self.launches if p is None]
+        return max(groups, key=order.index) if groups else None
 
     __str__ = explain
 
@@ -96,10 +139,12 @@ def _launch_order(groups, pieces: Optional[Pieces], first: tuple, lead: bool) ->
 
 
 def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), deferred: tuple = (),
-                 cp: bool = False) -> PipelinePlan:
+                 cp: bool = False, summarised: Optional[tuple] = None, exchange_beside: bool = False) -> PipelinePlan:
     """The pipelined forward: the chunk stage a group at a time, each group's forward walk beside the
     later groups' chunk stage; one group's segment in pieces (fit.pieced_group: one GPU, the last group;
-    CP, the rank's longest chain not deferred, whose first pieces lead)."""
+    CP, the rank's longest chain not deferred, whose first pieces lead). cp: the plan ends in the exchange
+    node (Exchange) that walks the `deferred` segments; summarised (default: all deferred) the deferred
+    segments whose chunk stage the exchange's summaries read, exchange_beside its stream."""
     lengths = tuple(int(n) for n in chain_lengths)
     first, deferred = tuple(sorted(first)), tuple(sorted(deferred))
     groups = tuple(fit.plan_pipeline(lengths, first))
@@ -108,8 +153,18 @@ def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), defe
     sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first,
                                           pieces is not None and i == pieces.group)
                    for i in range(len(groups)))
-    return PipelinePlan("forward", lengths, int(heads), int(sms), groups, _launch_order(groups, pieces, first, cp),
+    plan = PipelinePlan("forward", lengths, int(heads), int(sms), groups, _launch_order(groups, pieces, first, cp),
                         pieces, (("kda_fwd_walk", sms_of),), first, deferred)
+    if not cp:
+        return plan
+    summarised = deferred if summarised is None else tuple(sorted(summarised))
+    if not set(summarised) <= set(deferred):
+        raise ValueError(f"summarised segments {list(summarised)} must be deferred ones ({list(deferred)})")
+    runs = tuple((a, b) for inside, a, b in fit.runs_of([s in deferred for s in range(len(lengths))]) if inside)
+    beside = bool(exchange_beside)
+    exchange = Exchange(plan.groups_of(first), plan.last_queued(plan.groups_of(summarised)) if beside else None,
+                        plan.last_queued(plan.groups_of(deferred)) if beside else None, runs, beside)
+    return replace(plan, exchange=exchange)
 
 
 def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False) -> PipelinePlan:
