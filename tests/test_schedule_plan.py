@@ -39,6 +39,7 @@ def test_q1_forward_plan():
     assert pieces.group == 3 and list(pieces.bounds) == fit.last_group_pieces(Q1)
     assert plan.launches == ((0, None), (1, None), (2, None)) + tuple((3, p) for p in pieces.order)
     assert pieces.order == tuple(range(len(pieces.bounds) - 1))
+    assert pieces.walks == tuple(((p,), ()) for p in pieces.order)  # each piece's walk right after its chunk stage
     text = plan.explain()
     assert text.startswith("forward plan: 4 segments") and text.count("chunk stage of chunks") == len(plan.launches)
 
@@ -89,6 +90,14 @@ def test_replay_plan_orders_pieces_from_both_ends():
     assert plan.pieces.order[:4] == (0, n - 1, 1, n - 2)
     assert sorted(plan.pieces.order) == list(range(n))
     assert plan.sms == 66 and {prog for prog, _ in plan.walk_sms} == {"kda_fwd_walk", "kda_bwd_walk"}
+    # the walks: each piece once a direction, each after its neighbour's and after its own chunk stage
+    fwd = [r for f, _ in plan.pieces.walks for r in f]
+    bwd = [r for _, b in plan.pieces.walks for r in b]
+    assert fwd == list(range(n)) and bwd == list(range(n - 1, -1, -1))
+    for step, (f, b) in enumerate(plan.pieces.walks):
+        assert set(f) | set(b) <= set(plan.pieces.order[:step + 1])
+    assert plan.pieces.walks[:2] == (((0,), ()), ((), (n - 1,)))
+    assert "through pieces: forward [0], backward []" in plan.explain()
     assert replay_plan(Q1, 32, 132).pieces is None              # one GPU: no pieces in the replay
 
 

@@ -323,13 +323,11 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
         fwd_handoff = torch.empty(n - 1, 1, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
         bwd_handoff = torch.empty(n - 1, 1, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
-        produced, walked = set(), {"fwd": 0, "bwd": n - 1}  # the next piece each walk goes through
 
     def piece_walks(i, a, streams, p, chunks):
-        """Piece p's chunk stage is queued: the walks through every piece that is ready in their order."""
-        produced.add(p)
-        while walked["fwd"] < n and walked["fwd"] in produced:
-            r = walked["fwd"]
+        """Piece p's chunk stage is queued: the walks through the pieces the plan says are ready now."""
+        forward_pieces, backward_pieces = plan.pieces.walks[plan.pieces.order.index(p)]
+        for r in forward_pieces:
             run_out = {"tape": outs["tape"], "vnew": outs["vnew"]}
             if r < n - 1:
                 run_out["final_state"] = fwd_handoff[r]
@@ -339,9 +337,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
                                output_final_state=r < n - 1, save_tape=True, out=run_out, want_output=False,
                                sm_count=plan.sms_of("kda_fwd_walk", i),
                                pool=f"kda_fwd_walk/replay{i}")
-            walked["fwd"] += 1
-        while a not in skip_bwd and walked["bwd"] >= 0 and walked["bwd"] in produced:
-            r = walked["bwd"]
+        for r in () if a in skip_bwd else backward_pieces:
             end = (None if dht is None else dht[a:a + 1]) if r == n - 1 else bwd_handoff[r]
             into = dh0[a:a + 1] if r == 0 else bwd_handoff[r - 1]
             with torch.cuda.stream(streams[1]):
@@ -349,7 +345,6 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
                                    out={"dtape": dtape, "dinitial_state": into},
                                    sm_count=plan.sms_of("kda_bwd_walk", i),
                                    pool=f"kda_bwd_walk/replay{i}")
-            walked["bwd"] -= 1
 
     def walks(i, a, b, streams, piece=None):
         if piece is not None:  # the pieced group is one segment: b == a + 1

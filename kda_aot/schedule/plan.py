@@ -26,11 +26,32 @@ _WALKS = {"forward": ("kda_fwd_walk",), "replay": ("kda_fwd_walk", "kda_bwd_walk
 
 @dataclass(frozen=True)
 class Pieces:
-    """One group's single segment cut in pieces: chunk bounds [c_0, .., c_P] (global chunk indices) and
-    the order their chunk stage is launched in."""
+    """One group's single segment cut in pieces: chunk bounds [c_0, .., c_P] (global chunk indices), the
+    order their chunk stage is launched in, and for each of those launches the pieces the walks go through
+    once it is queued (forward walk from the front, backward walk from the back, each piece after its
+    neighbour: walks_ready)."""
     group: int
     bounds: Tuple[int, ...]
     order: Tuple[int, ...]
+    walks: Tuple[Tuple[Tuple[int, ...], Tuple[int, ...]], ...] = ()  # per launch: (forward pieces, backward ones)
+
+
+def walks_ready(order, n: int, backward: bool) -> tuple:
+    """For each piece launched in `order`, the pieces the forward walk (0, 1, ..) and, with backward, the
+    backward walk (n - 1, n - 2, ..) can go through once its chunk stage is queued: a walk takes the next
+    piece in its direction as soon as that piece's chunk stage is."""
+    queued, fwd, bwd, out = set(), 0, n - 1, []
+    for p in order:
+        queued.add(p)
+        f, b = [], []
+        while fwd < n and fwd in queued:
+            f.append(fwd)
+            fwd += 1
+        while backward and bwd >= 0 and bwd in queued:
+            b.append(bwd)
+            bwd -= 1
+        out.append((tuple(f), tuple(b)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -103,6 +124,9 @@ class PipelinePlan:
                 lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}): walked after the exchange")
                 continue
             walks = ", ".join(f"{prog} on {self.sms_of(prog, g)} SMs" for prog, _ in self.walk_sms)
+            if p is not None and self.kind == "replay":
+                fwd, bwd = self.pieces.walks[self.pieces.order.index(p)]
+                walks += f"; through pieces: forward {list(fwd)}, backward {list(bwd)}"
             lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}), then beside what follows: "
                          f"group {g}'s walks ({walks})")
         if self.exchange is not None:
@@ -149,7 +173,10 @@ def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), defe
     first, deferred = tuple(sorted(first)), tuple(sorted(deferred))
     groups = tuple(fit.plan_pipeline(lengths, first))
     chosen = fit.pieced_group(lengths, first, deferred, cp)
-    pieces = None if chosen is None else Pieces(chosen[0], tuple(chosen[1]), tuple(range(len(chosen[1]) - 1)))
+    pieces = None
+    if chosen is not None:
+        order = tuple(range(len(chosen[1]) - 1))
+        pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, len(order), backward=False))
     sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first,
                                           pieces is not None and i == pieces.group)
                    for i in range(len(groups)))
@@ -181,7 +208,7 @@ def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False) ->
     if chosen is not None:
         n = len(chosen[1]) - 1
         order = tuple(p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j)))  # 0, n-1, 1, ...
-        pieces = Pieces(chosen[0], tuple(chosen[1]), order)
+        pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n, backward=True))
     walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2)
                                   for i in range(len(groups)))) for prog in _WALKS["replay"])
     return PipelinePlan("replay", lengths, int(heads), half, groups,
