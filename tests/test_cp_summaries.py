@@ -97,7 +97,7 @@ def test_batched_summaries_gather_the_pieces(monkeypatch):
             Bs.append(B)
         return torch.stack(Ms), torch.stack(Bs)
 
-    monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kda, "device_sms", lambda device: 132)
     monkeypatch.setattr(kda, "chunk_kda_walk", lambda view, **kw: (None, walk_pieces(view)[1], None))
     monkeypatch.setattr(kda, "chunk_kda_transfer", lambda view: walk_pieces(view)[0])
     plan = [0, 1, 3, 4]

@@ -341,7 +341,7 @@ def test_pieced_replay_walks_are_bitwise_the_unpieced_ones(lens, init, skip):
     each from its neighbour's end state; 47 chunks: 5 pieces, 32: 4) writes the bits of the unpieced
     order, the skipped backward walk (skip_bwd) left out alike; the pieced run's tensors allocated over NaN."""
     from kda_aot.schedule import fit
-    from kda_aot.schedule.backward import _replay_walks_pipelined
+    from kda_aot.schedule.backward import replay_walks_pipelined
     from test_kda_fwd_gpu import nan_filled_allocator
     lengths = tuple(-(-n // 64) for n in lens)
     chosen = fit.pieced_group(lengths, cp=True)
@@ -351,9 +351,9 @@ def test_pieced_replay_walks_are_bitwise_the_unpieced_ones(lens, init, skip):
     q, k, v, g, beta, cu, h0 = make(lens, 3, "rand", rng(("pieced-replay", len(lens), init)), init)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("pieced-replay-do", len(lens)))).to(torch.bfloat16)
     dht = torch.randn(len(lens), 3, 128, 128, device="cuda", generator=rng(("pieced-replay-dht", len(lens))))
-    sa, wa = _replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht, skip_bwd)
+    sa, wa = replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht, skip_bwd)
     nan_filled_allocator()
-    sb, wb = _replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht, skip_bwd, pieced=True)
+    sb, wb = replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht, skip_bwd, pieced=True)
     for name in ("tape", "vnew"):
         assert torch.equal(sa[name], sb[name]), name
     walked = [s for s in range(len(lens)) if s not in skip_bwd]
@@ -370,7 +370,7 @@ def test_pipelined_replay_walks_are_bitwise_replay_walks(chains, init):
     returns the saved context and walk results of chunk_kda_prepare + replay_walks, bit for bit;
     its tensors are allocated over NaN (nan_filled_allocator), so a range left unwritten shows."""
     from kda_aot.schedule.kda import chunk_kda_prepare
-    from kda_aot.schedule.backward import _replay_walks_pipelined, replay_walks
+    from kda_aot.schedule.backward import replay_walks_pipelined, replay_walks
     from test_kda_fwd_gpu import nan_filled_allocator
     q, k, v, g, beta, cu, h0 = make(CHAIN_PACKS[chains], 3, "rand", rng(("pipeline-replay", chains, init)), init)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("pipeline-replay-do", chains))).to(torch.bfloat16)
@@ -378,7 +378,7 @@ def test_pipelined_replay_walks_are_bitwise_replay_walks(chains, init):
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
     sa, wa = replay_walks(prepared, h0, dout, dht)
     nan_filled_allocator()
-    sb, wb = _replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht)
+    sb, wb = replay_walks_pipelined(q, k, v, g, beta, h0, cu, None, dout, dht)
     assert set(sa) == set(sb)
     for name, x in sa.items():
         if isinstance(x, torch.Tensor):

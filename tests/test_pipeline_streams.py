@@ -99,7 +99,7 @@ def world(monkeypatch):
     monkeypatch.setattr(kda, "describe", lambda x, name: x)
     monkeypatch.setattr(kda, "stream_of", lambda x: w.current[-1])
     monkeypatch.setattr(kda.registry, "library", lambda program, form="default": Library(program))
-    monkeypatch.setattr(kda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kda, "device_sms", lambda device: 132)
     monkeypatch.setattr(kda, "_on_gpu", lambda x: True)
     monkeypatch.setattr(kda, "_side_streams", side_streams)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: w.current[-1])

@@ -51,7 +51,8 @@ import torch
 
 from .. import options, reference
 from .._runtime.tensor import host_table_to
-from ..schedule.kda import GATE_FLOOR
+from ..schedule import backward as kda_backward, fit, kda as kda_schedule
+from .summaries import compose_pieces
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
 
@@ -121,33 +122,30 @@ class CudaBackend:
     name = "cuda"
     spec = "cuda"
     state_dtype = torch.float32
-    gate_floor = GATE_FLOOR
+    gate_floor = kda_schedule.GATE_FLOOR
 
     def __repr__(self):
         return "CudaBackend()"
 
     def summary(self, k, v, g, beta, lo: int, hi: int):
-        from ..schedule.kda import chunk_kda_prepare
         frag = [x[:, lo:hi] for x in (k, v, g, beta)]
         cu = torch.tensor([0, hi - lo], dtype=torch.int32)  # CPU boundaries: no host sync
         # the kernels take a q; the fragment's k stands in (no output is computed)
-        return self.summary_of(chunk_kda_prepare(frag[0], *frag, cu_seqlens=cu), 0, True)
+        return self.summary_of(kda_schedule.chunk_kda_prepare(frag[0], *frag, cu_seqlens=cu), 0, True)
 
     def prepare(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool):
-        from ..schedule.kda import chunk_kda_prepare
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
-        return chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep)
+        return kda_schedule.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep)
 
     def summary_of(self, prepared, segment: int, need_b: bool):
         """(M, B) of one local segment from the prepared chunk stage: the same chunk-stage values
         as a fragment prepared alone (chunks restart at segment starts), so the same bits."""
-        from ..schedule.kda import chunk_kda_transfer, chunk_kda_walk, segment_view
-        view = segment_view(prepared, segment)
+        view = kda_schedule.segment_view(prepared, segment)
         B = None
         if need_b:
-            _, B, _ = chunk_kda_walk(view, output_final_state=True, want_output=False)
+            _, B, _ = kda_schedule.chunk_kda_walk(view, output_final_state=True, want_output=False)
             B = B[0]
-        return chunk_kda_transfer(view)[0], B
+        return kda_schedule.chunk_kda_transfer(view)[0], B
 
     def summaries_of(self, prepared, requests, plan_segments):
         """[(M, B or None)] of the local segments in `requests` ((segment, need_b) pairs) in two
@@ -158,13 +156,10 @@ class CudaBackend:
         walk (M), side by side, then composed in fp32 (summaries.compose_pieces). The chunk tables
         are gathered to the pieces (the kernels index per-chunk tensors by the table's rows), the
         token tensors shared. Another rounding order than summary_of: within the fp32 summary bound."""
-        from ..schedule import fit
-        from ..schedule.kda import _sm_count, chunk_kda_transfer, chunk_kda_walk
-        from .summaries import compose_pieces
         lengths = prepared["chain_lengths"]
         H, device = prepared["q"].shape[2], prepared["q"].device
         planned = dict(zip(plan_segments, fit.summary_pieces(tuple(lengths[s] for s in plan_segments), H,
-                                                             _sm_count(device))))
+                                                             kda_schedule.device_sms(device))))
         first = [0, *itertools.accumulate(lengths)]
         rows, bounds, pieces, counts = [], [0], [], []
         for segment, _ in requests:  # a segment's pieces are consecutive: its chunk rows in order
@@ -180,17 +175,16 @@ class CudaBackend:
                     chain_lengths=tuple(pieces))
         B = None
         if any(need_b for _, need_b in requests):
-            _, B, _ = chunk_kda_walk(view, output_final_state=True, want_output=False)
-        summaries = compose_pieces(chunk_kda_transfer(view), B, counts)
+            _, B, _ = kda_schedule.chunk_kda_walk(view, output_final_state=True, want_output=False)
+        summaries = compose_pieces(kda_schedule.chunk_kda_transfer(view), B, counts)
         return [(M, Bf if need_b else None) for (M, Bf), (_, need_b) in zip(summaries, requests)]
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
                 scale: float, keep: bool, prepared=None):
-        from ..schedule.kda import chunk_kda_walk
         if prepared is None:
             prepared = self.prepare(q, k, v, g, beta, cu_local, scale, keep)
-        o, finals, saved = chunk_kda_walk(prepared, initial_state=states.to(torch.float32).contiguous(),
-                                          output_final_state=True, save_tape=keep)
+        o, finals, saved = kda_schedule.chunk_kda_walk(prepared, initial_state=states.to(torch.float32).contiguous(),
+                                                       output_final_state=True, save_tape=keep)
         return o, finals, (saved if keep else None)
 
     def replay(self, prepared, states: torch.Tensor, do: torch.Tensor, dfinals):
@@ -198,11 +192,10 @@ class CudaBackend:
         `dfinals` is given, the state-gradient walk for D — which reads only the chunk stage — side
         by side (backward.replay_walks). Returns (saved context, D or None): the same bits as forward()
         then state_grads()."""
-        from ..schedule.backward import replay_walks
-        saved, bwd = replay_walks(prepared, states.to(torch.float32).contiguous(),
-                                  None if dfinals is None else do.to(torch.bfloat16).contiguous(),
-                                  None if dfinals is None else dfinals.to(torch.float32).contiguous(),
-                                  need_dtape=False)  # the offset walk: D alone
+        saved, bwd = kda_backward.replay_walks(prepared, states.to(torch.float32).contiguous(),
+                                               None if dfinals is None else do.to(torch.bfloat16).contiguous(),
+                                               None if dfinals is None else dfinals.to(torch.float32).contiguous(),
+                                               need_dtape=False)  # the offset walk: D alone
         return saved, (None if bwd is None else bwd[1])
 
     def forward_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool,
@@ -217,9 +210,8 @@ class CudaBackend:
         makes that the caller keeps must be record_stream'd onto the current stream, and what it reads of
         `prepared` must be the `summarised` segments' (default: every deferred one). Each segment's walk
         is the one forward() runs: the same bits."""
-        from ..schedule.kda import chunk_kda_fwd_deferred
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
-        o, finals, saved = chunk_kda_fwd_deferred(
+        o, finals, saved = kda_schedule.chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
             deferred=deferred, entering=lambda prepared, finals: entering(prepared, finals).to(torch.float32).contiguous(),
             save_tape=keep, senders=senders, exchange_beside=options.current().cp_exchange_beside,
@@ -228,33 +220,32 @@ class CudaBackend:
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
                          do: torch.Tensor, dfinals: torch.Tensor, skip_bwd: Sequence[int] = ()):
-        """prepare() then replay() in the single-GPU replay's pipelined order (backward._replay_walks_pipelined):
+        """prepare() then replay() in the single-GPU replay's pipelined order (backward.replay_walks_pipelined):
         the chunk stage a segment group at a time, each group's forward walk and backward walk beside
         the later groups' chunk stage. The backward walk runs in full (its tape too) from `dfinals`:
         returns (saved context, [dtape, D]); D has replay()'s bits, and the segments whose exit-state
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
-        chain is walked in pieces (backward._replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
+        chain is walked in pieces (backward.replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
         not): bitwise the same."""
-        from ..schedule.backward import _replay_walks_pipelined
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
-        return _replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu, scale,
-                                       do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                                       tuple(skip_bwd), pieced=options.current().cp_replay_pieces)
+        return kda_backward.replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu,
+                                                   scale, do.to(torch.bfloat16).contiguous(),
+                                                   dfinals.to(torch.float32).contiguous(), tuple(skip_bwd),
+                                                   pieced=options.current().cp_replay_pieces)
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
         rewalk (with walk): segments whose walk ran from a stand-in exit-state gradient and runs again
         from dfinals' rows (beside kda_bwd_chunk over the other segments where that hides it)."""
-        from ..schedule.backward import chunk_kda_bwd
-        return chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                             walk=walk, rewalk=rewalk)
+        return kda_backward.chunk_kda_bwd(ctx, do.to(torch.bfloat16).contiguous(),
+                                          dfinals.to(torch.float32).contiguous(), walk=walk, rewalk=rewalk)
 
     def state_grads(self, ctx, do: torch.Tensor, dfinals: torch.Tensor):
-        from ..schedule.backward import chunk_kda_bwd_walk
-        return chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(), dfinals.to(torch.float32).contiguous(),
-                                  need_dtape=False)[1]  # the offset walk: no tape written
+        return kda_backward.chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(),
+                                               dfinals.to(torch.float32).contiguous(),
+                                               need_dtape=False)[1]  # the offset walk: no tape written
 
 
 def backend_name(backend) -> str:

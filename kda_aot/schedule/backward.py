@@ -173,7 +173,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     runs = kda.segment_runs(set(rewalk), len(lengths))
     form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
-    sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda._sm_count(q.device))
+    sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda.device_sms(q.device))
 
     def walk_again(sm_count=None):
         for a, b in runs:
@@ -266,7 +266,7 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
         return saved, walk
     main = torch.cuda.current_stream(q.device)
     side = kda._side_streams(q.device, 1, "replay")[0]
-    half = max(1, kda._sm_count(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
+    half = max(1, kda.device_sms(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
     side.wait_stream(main)
     try:
         with torch.cuda.stream(side):
@@ -283,7 +283,7 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
     the chunk stage unless Options.pipeline is off), then the chunk-parallel backward. Bitwise the same
     as the saved-context backward."""
     if kda._pipeline_on():
-        saved, walk = _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate)
+        saved, walk = replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate)
     else:
         prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
                                          save_tape=True, gate=gate)
@@ -292,7 +292,7 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
-def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
+def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
                             gate=None):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
@@ -315,7 +315,7 @@ def _replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, sk
     outs = kda._walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
     dtape = torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
-    plan = replay_plan(prepared["chain_lengths"], H, kda._sm_count(q.device), pieced=pieced)
+    plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced)
     piece_chunks = None
     if plan.pieces is not None:
         bounds = plan.pieces.bounds

@@ -99,7 +99,7 @@ def tables_of(cu_seqlens, T: int, device) -> PackTables:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def device_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
@@ -139,7 +139,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     their CTAs get SMs of their own and the full runs take the SMs left over. pool: the side-stream
     pool (default: the program's; walks that run at the same time need pools of their own).
     Returns the plan."""
-    plan = fit.plan_walk(program, chain_lengths, H, sm_count or _sm_count(device), walk_form)
+    plan = fit.plan_walk(program, chain_lengths, H, sm_count or device_sms(device), walk_form)
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
@@ -349,7 +349,7 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
     full = _walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
                          output_final_state=output_final_state)
-    sms = _sm_count(q.device)
+    sms = device_sms(q.device)
     lengths = prepared["chain_lengths"]
     deferred, first = sorted(deferred), tuple(sorted(senders))
     # One group's segment in pieces (plan.pieces; one GPU: the last group, whose walk would otherwise
