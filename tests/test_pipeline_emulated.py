@@ -114,9 +114,9 @@ _WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"),
            "kda_fwd_walk": ("tape", "vnew", "o", "final_state"),
            "kda_bwd_walk": ("dtape", "dinitial_state"),
            "kda_bwd_chunk": ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s"),
-           "kda_bwd_gate": ("dq", "dk", "dg", "dbeta", "dbeta_part")}
+           "kda_bwd_gate": ("dq", "dk", "dg", "dbeta", "dbeta_part", "ddt_bias_part", "da_log_part")}
 _WALKS = ("kda_fwd_walk", "kda_bwd_walk")
-_CHUNK_ROWS = ("gamma", "tape", "dtape", "dgam_s")
+_CHUNK_ROWS = ("gamma", "tape", "dtape", "dgam_s", "ddt_bias_part", "da_log_part")
 
 
 class _Stream:
@@ -168,6 +168,19 @@ class _Ordering:
                 x = desc.get(name)
                 if isinstance(x, torch.Tensor) and x.numel() and tokens is not None:
                     touched += [(lo, hi, writes, name, x) for lo, hi in self._ranges(name, x, rows, tokens)]
+        self._check(program, stream, me, touched)
+
+    def touch(self, what, reads=(), writes=()):
+        """Work other than a kernel launch on the current stream (the CP exchange, the caller reading a
+        forward's outputs), held to the same check: reads / writes are tensors, whole (views narrow them)."""
+        stream = self.current[-1]
+        stream.launched += 1
+        me = (stream.id, stream.launched)
+        touched = [(x.data_ptr(), x.data_ptr() + x.numel() * x.element_size(), writes_, "it", x)
+                   for writes_, xs in ((False, reads), (True, writes)) for x in xs if x is not None and x.numel()]
+        self._check(what, stream, me, touched)
+
+    def _check(self, program, stream, me, touched):
         for lo, hi, writes, name, x in touched:
             for plo, phi, pwrites, op, label, _ in self.history:
                 if lo < phi and plo < hi and (writes or pwrites):
@@ -310,7 +323,10 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
                               "pieced-sender", "lone-sender-pieced"])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("beside,piece_senders", [("1", "1"), ("0", "0")], ids=["beside", "main-stream"])
-def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkeypatch, lens, deferred, senders, keep, beside, piece_senders):
+@pytest.mark.parametrize("summarised_of", [lambda d: d, lambda d: d[:1], lambda d: []],
+                         ids=["summarised-all", "summarised-first", "summarised-none"])
+def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkeypatch, lens, deferred, senders, keep,
+                                                   beside, piece_senders, summarised_of):
     """The CUDA CP backend's forward_pipelined (Options.cp_pipeline, the default): the walks of the
     segments with a known entering state beside the chunk stage, the senders' first,
     entering(prepared, final_state) once the chunk stage is queued (called once, also with nothing
@@ -318,7 +334,10 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     segments' walks from what it returns; against prepare() then forward() with the same entering
     states. beside: the exchange and the deferred walks on a stream of their own (cp_exchange_beside), the
     sent chains pieced when they are the longest (pieced-sender, lone-sender-pieced: 32 chunks; 1-sender's
-    11 are too few to cut); main-stream: neither (the default order)."""
+    11 are too few to cut); main-stream: neither (the default order). The exchange's reads (the senders'
+    final states, the summarised segments' chunk stage; summarised: all, the first or none of the deferred
+    segments) and the caller's of the outputs are held to the ordering check too (_Ordering.touch): without
+    any one of the exchange node's waits, or the joins, a test here fails."""
     from kda_aot.cp.backends import CudaBackend
     kda_options(cp_exchange_beside=beside == "1")
     kda_options(cp_piece_senders=piece_senders == "1")
@@ -330,15 +349,24 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     plain = backend.forward(q, k, v, g, beta, bounds, states, 0.1, keep=keep,
                             prepared=backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=keep))
     calls = []
+    summarised = summarised_of(deferred)
 
     def entering(prepared, finals):
         calls.append(finals[senders].clone())  # what the exchange would send
         assert not torch.isnan(prepared["w"]).any()  # every chunk stage is queued (here: run, in launch order)
+        # what it reads, held to the ordering check: the senders' final states, the summarised segments'
+        # chunk stage (the summaries' walks read W, K e^gamma and gamma of those segments)
+        chunks, seg = prepared["chunks"], prepared["seg_chunks"].tolist()
+        rows = [(seg[s], seg[s + 1]) for s in summarised if seg[s + 1] > seg[s]]
+        emulated.touch("the exchange", reads=[finals[s] for s in senders]
+                       + [prepared[n][0, int(chunks[a][0]):int(chunks[b - 1][1])] for a, b in rows for n in ("w", "kg")]
+                       + [prepared["gamma"][a:b] for a, b in rows])
         return later[deferred]
     poisoned_known = known.clone()
     poisoned_known[deferred] = float("nan")  # the deferred rows must not be read
     got = backend.forward_pipelined(q, k, v, g, beta, bounds, 0.1, keep, poisoned_known, deferred, entering,
-                                    senders)
+                                    senders, summarised)
+    emulated.touch("the caller", reads=[got[0], got[1]] + ([got[2][n] for n in ("tape", "vnew")] if keep else []))
     assert len(calls) == 1 and torch.equal(calls[0], plain[1][senders])
     assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1]) and not torch.isnan(got[1]).any()
     assert (got[2] is None) == (not keep)
