@@ -110,3 +110,7 @@ def test_explain_command():
     lens = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "100,1,5000", "4"], cwd=root,
                           capture_output=True, text=True, check=True).stdout
     assert lens.startswith("pack: 3 documents, 5101 tokens")
+    cp = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "100,1,5000", "4", "--cp", "1", "0,2",
+                         "--beside"], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert "first [1], deferred [0, 2]" in cp and "then the exchange on its own stream" in cp
+    assert "walked after the exchange" in cp and "through pieces: forward" in cp
