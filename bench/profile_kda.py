@@ -12,9 +12,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.packs import PACKS
-from bench.single import inputs
+from bench.single import fla_gate_inputs, inputs
 from kda_aot import chunk_kda
-from kda_aot.schedule.kda import HEAD_DIM
 
 pack = sys.argv[1] if len(sys.argv) > 1 else "Q1"
 H = int(sys.argv[2]) if len(sys.argv) > 2 else 32
@@ -22,10 +21,8 @@ call = sys.argv[3] if len(sys.argv) > 3 else "log_decay"
 q, k, v, g, beta, cu = inputs(PACKS[pack], H)
 do = torch.randn_like(v)
 if call == "fla_layer":
-    g = torch.randn_like(v)  # bf16, as FLA's f_proj gives it
-    beta = torch.randn(beta.shape, device=v.device).to(torch.bfloat16)
-    params = [torch.log(torch.rand(H, device=v.device) * 15 + 1), 0.1 * torch.randn(H * HEAD_DIM, device=v.device)]
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, *params)]
+    g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], H)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, a_log, dt_bias)]
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
 
     def forward():

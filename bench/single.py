@@ -75,18 +75,24 @@ def _rows(pack, H, boundary, mode, peaks, ms, base="kda_aot"):
     return out
 
 
+def fla_gate_inputs(T: int, H: int) -> tuple:
+    """FLA's layer's raw inputs to chunk_kda's activations, fresh: the raw gate [1, T, H, 128] and beta's
+    logits [1, T, H] in bf16 (as its projections give them), A_log [H] in FLA's init range, dt_bias [H * 128]."""
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2 ** 63)
+    raw = torch.randn(1, T, H, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16)
+    a_log = torch.log(torch.rand(H, device="cuda", generator=gen) * 15 + 1)
+    dt_bias = 0.1 * torch.randn(H * HEAD_DIM, device="cuda", generator=gen)
+    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    return raw, a_log, dt_bias, logits
+
+
 def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
     """Boundary "gate": a replay training step as FLA's layer calls it - the raw gate (bf16, as its f_proj
     gives it) with A_log and dt_bias, activated by chunk_kda (use_gate_in_kernel), beta as logits
     (use_beta_sigmoid_in_kernel) - against the same step on the activated gate and beta given (arm
     kda_aot, the step of the rows above); FLA's same call beside when installed. Rows: boundary
     "gate", arms kda_aot (precomputed), kda_aot/gate, fla/gate."""
-    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2 ** 63)
-    T = q.shape[1]
-    raw = torch.randn(1, T, H, HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
-    a_log = torch.log(torch.rand(H, device="cuda", generator=gen) * 15 + 1).requires_grad_()  # FLA's init range
-    dt_bias = (0.1 * torch.randn(H * HEAD_DIM, device="cuda", generator=gen)).requires_grad_()
-    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    raw, a_log, dt_bias, logits = (x.requires_grad_() for x in fla_gate_inputs(q.shape[1], H))
     with torch.no_grad():
         g_act = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, HEAD_DIM))
         b_act = torch.sigmoid(logits.float()).to(torch.bfloat16)

@@ -1,40 +1,18 @@
 """The CP forward's stream ordering, checked on the CPU: the kernels are the CPU stand-ins of
-test_pipeline_emulated (they run in launch order), and every stream and event carries a vector clock
-(which launch of which stream it has waited for), so each launch can be checked against what it
+test_pipeline_emulated (they run in launch order), and every stream and event carries its vector clock
+(test_pipeline_emulated._Stream: which launch of which stream it has waited for), so each launch can be
+checked against what it
 reads: a walk after the chunk stage of its tokens and after the walk that wrote the state it starts
 from (the pieces' handoffs), the exchange (entering) after the senders' walks and the chunk stage of
 the deferred segments it summarises, the current stream after everything once the forward returns. The GPU tests
 check the bits; these check the order the GPU may run things in, which a lucky schedule hides."""
 import contextlib
-import itertools
 
 import pytest
 import torch
 
 import test_pipeline_emulated as emu
 from kda_aot.schedule import fit, kda
-
-
-class _Clocked:
-    """A stream: launches are numbered; waiting on another stream or an event takes its clock."""
-    ids = itertools.count(1)
-
-    def __init__(self):
-        self.id, self.launched, self.clock = next(_Clocked.ids), 0, {}
-        self.cuda_stream = self
-
-    def now(self) -> dict:
-        return {**self.clock, self.id: self.launched}
-
-    def wait_stream(self, other):
-        self.wait_event(other.now())
-
-    def record_event(self):
-        return self.now()
-
-    def wait_event(self, event):
-        for sid, n in event.items():
-            self.clock[sid] = max(self.clock.get(sid, 0), n)
 
 
 def _after(stream, op, what):
@@ -46,7 +24,7 @@ def _after(stream, op, what):
 
 class _World:
     def __init__(self):
-        self.current = [_Clocked()]
+        self.current = [emu._Stream()]
         self.token_writer, self.state_writer = {}, {}  # token -> chunk stage launch; state row ptr -> walk
 
     def launch(self, program, desc, stream):
@@ -86,7 +64,7 @@ def world(monkeypatch):
     def side_streams(device, n, pool):
         have = pools.setdefault(pool, [])
         while len(have) < n:
-            have.append(_Clocked())
+            have.append(emu._Stream())
         return have[:n]
 
     @contextlib.contextmanager

@@ -38,8 +38,7 @@ def test_q1_forward_plan():
     pieces = plan.pieces
     assert pieces.group == 3 and list(pieces.bounds) == fit.last_group_pieces(Q1)
     assert plan.launches == ((0, None), (1, None), (2, None)) + tuple((3, p) for p in pieces.order)
-    assert pieces.order == tuple(range(len(pieces.bounds) - 1))
-    assert pieces.walks == tuple(((p,), ()) for p in pieces.order)  # each piece's walk right after its chunk stage
+    assert pieces.order == tuple(range(len(pieces.bounds) - 1))  # each piece walked right after its chunk stage
     text = plan.explain()
     assert text.startswith("forward plan: 4 segments") and text.count("chunk stage of chunks") == len(plan.launches)
 

@@ -186,18 +186,17 @@ def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state, gate)
     if initial_state is not None:
         dh0 = dfinal_state.clone() if dfinal_state is not None else torch.zeros(
             tables.n_docs, H, HEAD_DIM, HEAD_DIM, device=q.device)
-    da_log, ddt_bias = _gate_grads_like(q, gate, zeros=True)
+    da_log, ddt_bias = _zero_gate_grads(q, gate)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0, da_log, ddt_bias)
 
 
-def _gate_grads_like(q, gate, zeros=False):
+def _zero_gate_grads(q, gate):
+    """dA_log, ddt_bias of a pack with no token: zeros ([0] without the gate's activation)."""
     if gate is None:
         return _no_state(q), _no_state(q)
-    make = torch.zeros if zeros else torch.empty
-    da_log = make(q.shape[2], device=q.device, dtype=torch.float32)
-    ddt_bias = make(q.shape[2], HEAD_DIM, device=q.device, dtype=torch.float32)
-    return da_log, ddt_bias
+    return (torch.zeros(q.shape[2], device=q.device, dtype=torch.float32),
+            torch.zeros(q.shape[2], HEAD_DIM, device=q.device, dtype=torch.float32))
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)

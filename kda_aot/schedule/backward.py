@@ -14,7 +14,7 @@ from .. import options
 from .._runtime import registry
 from .._runtime.packing import CHUNK
 from .._runtime.tensor import host_table_to, out_or
-from .plan import replay_plan
+from .plan import replay_plan, segment_runs
 
 
 def _check_dout(dout, q):
@@ -170,7 +170,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     a rewalk runs on a GPU kda_bwd_chunk could fill: docs/cp.md)."""
     q = saved["q"]
     lengths, H = saved["chain_lengths"], q.shape[2]
-    runs = kda.segment_runs(set(rewalk), len(lengths))
+    runs = segment_runs(set(rewalk), len(lengths))
     form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
     sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda.device_sms(q.device))
@@ -356,7 +356,7 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
                            sm_count=plan.sms_of("kda_fwd_walk", i),
                            pool=f"kda_fwd_walk/replay{i}")
         with torch.cuda.stream(streams[1]):
-            for ra, rb in kda.segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
+            for ra, rb in segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
                 chunk_kda_bwd_walk(kda.segments_view(prepared, ra, rb), do, None if dht is None else dht[ra:rb],
                                    out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
                                    sm_count=plan.sms_of("kda_bwd_walk", i),

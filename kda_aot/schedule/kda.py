@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import fit
-from .plan import PipelinePlan, forward_plan
+from .plan import PipelinePlan, forward_plan, segment_runs
 from .. import options
 from .._runtime import registry
 from .._runtime.tensor import describe, host_table_to, out_or, stream_of
@@ -424,11 +424,6 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     if not save_tape:
         saved["akk_inv"] = None
     return full["o"], full["final_state"], saved
-
-
-def segment_runs(segments, n: int) -> list:
-    """[(a, b), ...]: the maximal runs of consecutive segments of `segments` (a set of 0 .. n - 1)."""
-    return [(a, b) for inside, a, b in fit.runs_of([s in segments for s in range(n)]) if inside]
 
 
 def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape,

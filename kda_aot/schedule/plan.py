@@ -27,19 +27,24 @@ _WALKS = {"forward": ("kda_fwd_walk",), "replay": ("kda_fwd_walk", "kda_bwd_walk
 @dataclass(frozen=True)
 class Pieces:
     """One group's single segment cut in pieces: chunk bounds [c_0, .., c_P] (global chunk indices), the
-    order their chunk stage is launched in, and for each of those launches the pieces the walks go through
-    once it is queued (forward walk from the front, backward walk from the back, each piece after its
-    neighbour: walks_ready)."""
+    order their chunk stage is launched in, and (replay plans) for each of those launches the pieces the
+    walks go through once it is queued (forward walk from the front, backward walk from the back, each piece
+    after its neighbour: walks_ready). The forward's pieces are launched in order, each walked right after."""
     group: int
     bounds: Tuple[int, ...]
     order: Tuple[int, ...]
-    walks: Tuple[Tuple[Tuple[int, ...], Tuple[int, ...]], ...] = ()  # per launch: (forward pieces, backward ones)
+    walks: Tuple[Tuple[Tuple[int, ...], Tuple[int, ...]], ...] = ()  # replay, per launch: (forward, backward pieces)
 
 
-def walks_ready(order, n: int, backward: bool) -> tuple:
-    """For each piece launched in `order`, the pieces the forward walk (0, 1, ..) and, with backward, the
-    backward walk (n - 1, n - 2, ..) can go through once its chunk stage is queued: a walk takes the next
-    piece in its direction as soon as that piece's chunk stage is."""
+def segment_runs(segments, n: int) -> list:
+    """[(a, b), ...]: the maximal runs of consecutive segments of `segments` (a set of 0 .. n - 1)."""
+    return [(a, b) for inside, a, b in fit.runs_of([s in segments for s in range(n)]) if inside]
+
+
+def walks_ready(order, n: int) -> tuple:
+    """For each piece launched in `order`, the pieces the forward walk (0, 1, ..) and the backward walk
+    (n - 1, n - 2, ..) can go through once its chunk stage is queued: a walk takes the next piece in its
+    direction as soon as that piece's chunk stage is."""
     queued, fwd, bwd, out = set(), 0, n - 1, []
     for p in order:
         queued.add(p)
@@ -47,7 +52,7 @@ def walks_ready(order, n: int, backward: bool) -> tuple:
         while fwd < n and fwd in queued:
             f.append(fwd)
             fwd += 1
-        while backward and bwd >= 0 and bwd in queued:
+        while bwd >= 0 and bwd in queued:
             b.append(bwd)
             bwd -= 1
         out.append((tuple(f), tuple(b)))
@@ -68,7 +73,7 @@ class Exchange:
     #                                        forward and for those launches only; else the current stream,
     #                                        after the whole chunk stage
 
-    def explain(self, groups) -> str:
+    def explain(self) -> str:
         where = ("on its own stream, after what came before the forward" if self.beside else
                  "on the current stream, after the whole chunk stage")
         waits = [f"the walks of groups {list(self.after_walks)}"] if self.after_walks else []
@@ -130,7 +135,7 @@ class PipelinePlan:
             lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}), then beside what follows: "
                          f"group {g}'s walks ({walks})")
         if self.exchange is not None:
-            lines.append(self.exchange.explain(self.groups))
+            lines.append(self.exchange.explain())
         return "\n".join(lines)
 
     def groups_of(self, segments) -> Tuple[int, ...]:
@@ -173,10 +178,7 @@ def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), defe
     first, deferred = tuple(sorted(first)), tuple(sorted(deferred))
     groups = tuple(fit.plan_pipeline(lengths, first))
     chosen = fit.pieced_group(lengths, first, deferred, cp)
-    pieces = None
-    if chosen is not None:
-        order = tuple(range(len(chosen[1]) - 1))
-        pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, len(order), backward=False))
+    pieces = None if chosen is None else Pieces(chosen[0], tuple(chosen[1]), tuple(range(len(chosen[1]) - 1)))
     sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first,
                                           pieces is not None and i == pieces.group)
                    for i in range(len(groups)))
@@ -187,7 +189,7 @@ def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), defe
     summarised = deferred if summarised is None else tuple(sorted(summarised))
     if not set(summarised) <= set(deferred):
         raise ValueError(f"summarised segments {list(summarised)} must be deferred ones ({list(deferred)})")
-    runs = tuple((a, b) for inside, a, b in fit.runs_of([s in deferred for s in range(len(lengths))]) if inside)
+    runs = tuple(segment_runs(set(deferred), len(lengths)))
     beside = bool(exchange_beside)
     exchange = Exchange(plan.groups_of(first), plan.last_queued(plan.groups_of(summarised)) if beside else None,
                         plan.last_queued(plan.groups_of(deferred)) if beside else None, runs, beside)
@@ -208,7 +210,7 @@ def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False) ->
     if chosen is not None:
         n = len(chosen[1]) - 1
         order = tuple(p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j)))  # 0, n-1, 1, ...
-        pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n, backward=True))
+        pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n))
     walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2)
                                   for i in range(len(groups)))) for prog in _WALKS["replay"])
     return PipelinePlan("replay", lengths, int(heads), half, groups,
