@@ -95,6 +95,9 @@ SHIPPED = {
     "s_op": "bf16",          # the state as a product operand
     "vnew": "bf16",          # V' as a product operand (and the saved V')
     "o_acc": "one",          # O = Qg S + Aqk V' in one fp32 accumulator
+    "o_diag": "mma",         # Aqk's i = j terms of O: inside the bf16 mma ('mma'); out of the tile and added
+                             # as Aqk_ii (fp32) x V'_i (the fp32 accumulator V' is rounded from) ('fp32'); or
+                             # the mma's plus (Aqk_ii - bf16(Aqk_ii)) x bf16(V'_i) after it ('residual')
     # kda_bwd_walk
     "ds_op": "bf16", "ndv": "bf16",
     "bw_w": "stored",        # the backward walk's W, Qg, Kg operands: the stored bf16 tiles ('stored'), or the
@@ -104,6 +107,8 @@ SHIPPED = {
                              # ('kernel'), or e^gamma dS + (scale Qg^T dO - W^T dV') ('fla')
     # kda_bwd_chunk
     "tape_op": "bf16",       # S, dS tapes as operands
+    "tape_dkg": None,        # dS as the operand of dKg = V' dS^T alone (None: tape_op; 'hilo': a second mma pass)
+    "tape_dqg": None,        # S as the operand of dQg = scale dO S^T alone (None: tape_op)
     "akk_inv": "bf16",       # saved (I + L)^-1
     "dvp": "bf16", "dw": "bf16", "drk": "bf16", "drv": "bf16",
     "dqg": "bf16", "dkg": "bf16", "daqk": "bf16", "dakk": "bf16",
@@ -129,10 +134,10 @@ KNOB_DOC = {
 }
 
 # What the kernels do now (the numerics fixes): the gate floored at -20, the diagonal blocks in three
-# anchored pieces, Aqk's diagonal exact, dAqk's diagonal terms exact and out of dGamma, dKg in fp32,
-# dg's Kg terms as a prefix sum, dV' as bf16 hi + lo in kda_bwd_chunk.
-FIXED = dict(SHIPPED, gate_clamp=20.0, anchor="mid8", aqk_ii="exact", gate_diag="exact", daqk_ii="fp32",
-             dkg="fp32", dg_kg="prefix", dvp="hilo")
+# anchored pieces, Aqk's diagonal exact, W's diagonal term in fp32, dAqk's diagonal terms exact and out of
+# dGamma, dKg in fp32, dg's Kg terms as a prefix sum, dV' as bf16 hi + lo in kda_bwd_chunk.
+FIXED = dict(SHIPPED, gate_clamp=20.0, anchor="mid8", aqk_ii="exact", w_beta="t_diag", gate_diag="exact",
+             daqk_ii="fp32", dkg="fp32", dg_kg="prefix", dvp="hilo")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -313,7 +318,8 @@ def chunk_stage(q, k, v, G, beta, kn):
         Aqk_r = Aqk_r + torch.diag_embed(torch.diagonal(Aqk, dim1=-2, dim2=-1) - torch.diagonal(Aqk_r, dim1=-2, dim2=-1))
     else:
         Aqk_r = rnd(Aqk, kn["aqk"])
-    return dict(W=W, U=U, Qg=Qg, Kg=Kg, Aqk=Aqk_r, L=L, inv=inv, W32=W32, Qg32=Qg32, Kg32=Kg32)
+    return dict(W=W, U=U, Qg=Qg, Kg=Kg, Aqk=Aqk_r, L=L, inv=inv, W32=W32, Qg32=Qg32, Kg32=Kg32,
+                Aqk_ii=torch.diagonal(Aqk, dim1=-2, dim2=-1))
 
 
 def fwd_walk(cs, gam_last, table, cu, h0, scale, kn):
@@ -329,9 +335,16 @@ def fwd_walk(cs, gam_last, table, cu, h0, scale, kn):
             S = torch.zeros(H, K, K) if h0 is None else h0[doc].float().clone()
         tape[c] = S
         Sb = rnd(S, kn["s_op"])
-        vn = rnd(cs["U"][c] - cs["W"][c] @ Sb, kn["vnew"])
+        vn32 = cs["U"][c] - cs["W"][c] @ Sb
+        vn = rnd(vn32, kn["vnew"])
         Vn[c] = vn
-        if kn["o_acc"] == "one":
+        if kn["o_diag"] == "fp32":
+            A = cs["Aqk"][c] - torch.diag_embed(torch.diagonal(cs["Aqk"][c], dim1=-2, dim2=-1))
+            O[c] = scale * (cs["Qg"][c] @ Sb + A @ vn + cs["Aqk_ii"][c][..., None] * vn32)
+        elif kn["o_diag"] == "residual":
+            res = cs["Aqk_ii"][c] - torch.diagonal(cs["Aqk"][c], dim1=-2, dim2=-1)
+            O[c] = scale * ((cs["Qg"][c] @ Sb + cs["Aqk"][c] @ vn) + res[..., None] * vn)
+        elif kn["o_acc"] == "one":
             O[c] = scale * (cs["Qg"][c] @ Sb + cs["Aqk"][c] @ vn)
         S = torch.exp(gam_last[c])[:, :, None] * S + cs["Kg"][c].transpose(-1, -2) @ vn
         if t0 + ln == cu[doc + 1]:
@@ -376,8 +389,10 @@ def bwd_chunk(cs, tape, dtape, Vn, v, dO, beta, gam_last, scale, kn):
     tri = torch.tril(torch.ones(C, C))
     tri_s = torch.tril(torch.ones(C, C), -1)
     out = dict(dgam_s=dgam_s)
-    out["dQg"] = rnd(scale * (dO @ S.transpose(-1, -2)), kn["dqg"])
-    out["dKg"] = rnd(Vn @ dS.transpose(-1, -2), kn["dkg"])
+    Sq = S if kn["tape_dqg"] is None else rnd(tape, kn["tape_dqg"])
+    dSk = dS if kn["tape_dkg"] is None else rnd(dtape, kn["tape_dkg"])
+    out["dQg"] = rnd(scale * (dO @ Sq.transpose(-1, -2)), kn["dqg"])
+    out["dKg"] = rnd(Vn @ dSk.transpose(-1, -2), kn["dkg"])
     dAqk32 = scale * tri * (dO @ Vn.transpose(-1, -2))
     out["dAqk"] = rnd(dAqk32, kn["daqk"])
     out["dAqk_ii"] = rnd(torch.diagonal(dAqk32, dim1=-2, dim2=-1), kn["daqk_ii"])
