@@ -18,6 +18,7 @@ from torch import nn
 
 from . import reference
 from ._runtime import registry
+from ._runtime.tensor import require_cuda
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
@@ -203,6 +204,8 @@ class PackedKDA(nn.Module):
         if backend == "cuda" and self.head_dim != 128:
             # before the conv and before any collective: every rank raises
             raise ValueError(f"PackedKDA(backend='cuda'): head_dim must be 128, got {self.head_dim}")
+        if backend == "cuda":
+            require_cuda(q, "q", "PackedKDA(backend='cuda')")
         if plan is not None:
             return self._forward_cp(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state,
                                     backend)

@@ -39,7 +39,7 @@ def reference_op(monkeypatch):
         return run
     monkeypatch.setattr(op, "chunk_kda_fwd_op", fake(False))
     monkeypatch.setattr(op, "chunk_kda_fwd_saved_op", fake(True))
-    monkeypatch.setattr(op, "l2norm", l2norm_torch)  # the kernel's formula (its kernel needs a GPU)
+    monkeypatch.setattr(op, "_qk_l2norm", lambda q, k: (l2norm_torch(q), l2norm_torch(k)))  # the kernel's formula
     return calls
 
 
@@ -193,7 +193,12 @@ def test_unserved_arguments_raise(reference_op):
               r"lower_bound: must lie in \[-5, 0\)"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], lower_bound=0.5), ValueError,
               r"lower_bound: must be < 0"),
-             (dict(backward="checkpoint"), ValueError, "backward: expected one of")]
+             (dict(backward="checkpoint"), ValueError, "backward: expected one of"),
+             (dict(state_v_first=True, initial_state=torch.zeros(1, 2, D, 64)), ValueError,
+              r"initial_state: expected shape \[1, 2, 128, 128\] \(\[N, HV, V, K\] with state_v_first=True\), "
+              r"got \[1, 2, 128, 64\]"),
+             (dict(cu_seqlens_cpu=torch.tensor([0, 32], dtype=x["cu"].dtype)), ValueError,
+              "cu_seqlens_cpu: must hold cu_seqlens' values")]
     for kw, err, match in cases:
         with pytest.raises(err, match=match):
             kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **kw)

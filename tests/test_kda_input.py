@@ -7,6 +7,8 @@ device check is the last one).
 import pytest
 import torch
 
+import kda_aot
+
 from conftest import HAS_GPU
 from kda_aot._runtime import registry
 from kda_aot._runtime.tensor import describe
@@ -75,8 +77,12 @@ def test_initial_state_shape_and_dtype():
 @pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
 def test_cpu_tensors_are_refused_last():
     q, k, v, g, b, cu = good()
-    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):  # the schedule's call: the binding's check
         chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu)
+    for norm in (False, True):  # the op's: named, with where to go on the CPU (with the norm, its kernel is first)
+        with pytest.raises(ValueError, match="q: chunk_kda runs its kernels on a CUDA GPU, got a tensor on cpu; on "
+                                             "the CPU, kda_aot.reference"):
+            kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=cu, use_qk_l2norm_in_kernel=norm)
 
 
 def test_binding_refuses_unknown_and_missing_tensors():

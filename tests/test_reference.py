@@ -329,3 +329,17 @@ def test_conv1d_silu_zero_halo_equals_no_halo_and_split(gen):
     halo = torch.stack([torch.cat([torch.zeros(3, D), x[0]])[s:s + 3] for s in cuts[:-1]])
     ys = ref.conv1d_silu(x, w, b, cu_seqlens=cuts, halo=halo)
     assert rel_err(ys, y) < 1e-14
+
+
+def test_a_positive_gate_is_refused():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 8, 1, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    beta = torch.rand(1, 8, 1, generator=gen, dtype=torch.float64)
+    for bad in (0.5, float("nan")):
+        g = -torch.rand(1, 8, 1, 16, generator=gen, dtype=torch.float64)
+        g[0, 3, 0, 5] = bad
+        for fn in (ref.kda_chunked, ref.kda_recurrent):
+            with pytest.raises(ValueError, match="g: the log decay must be <= 0"):
+                fn(q, k, v, g, beta, cu_seqlens=[0, 8])
+    g[0, 3, 0, 5] = float("-inf")  # a reset is legal
+    ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0, 8])

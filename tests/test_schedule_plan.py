@@ -113,3 +113,15 @@ def test_explain_command():
                          "--beside"], cwd=root, capture_output=True, text=True, check=True).stdout
     assert "first [1], deferred [0, 2]" in cp and "then the exchange on its own stream" in cp
     assert "walked after the exchange" in cp and "through pieces: forward" in cp
+
+
+@pytest.mark.parametrize("args,message", [(["Q1", "100"], "HEADS: chunk_kda takes 1 .. 64 heads, got 100"),
+                                          (["Q1", "0"], "HEADS: chunk_kda takes 1 .. 64 heads"),
+                                          (["Q1", "32", "--beside"], "--beside: only with --cp"),
+                                          (["Q1", "32", "--cp", "x", "-"], "--cp: expected comma-separated"),
+                                          (["0,0", "2"], "PACK: no tokens")])
+def test_explain_command_refuses_what_chunk_kda_would(args, message):
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", *args], cwd=root,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and message in run.stderr, run.stderr

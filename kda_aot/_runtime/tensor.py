@@ -6,6 +6,7 @@ bindings check everything about it themselves, so they need no torch headers.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 # Mirror of templates/common/abi.h (every binding exports DTYPE_CODES; tests compare the two).
 DTYPE_CODES = {
@@ -28,6 +29,16 @@ def describe(t: torch.Tensor | None, name: str):
         raise TypeError(f"{name}: unsupported dtype {t.dtype}")
     device = t.device.index if t.is_cuda else -1
     return (t.data_ptr(), code, device, tuple(t.shape), tuple(t.stride()))
+
+
+def require_cuda(t: torch.Tensor, name: str, op: str) -> None:
+    """The refusal of a tensor off the GPU, made where an op would launch its first kernel (after every check
+    that needs none, so bad input is named the same everywhere). Traced tensors pass: a trace on the CPU
+    stands for the GPU call (tests/test_ops_trace.py)."""
+    if not t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t):
+        raise ValueError(f"{name}: {op} runs its kernels on a CUDA GPU, got a tensor on {t.device}; on the CPU, "
+                         f"kda_aot.reference holds the same math (fp64) and kda_aot.nn.PackedKDA(backend=\"auto\") "
+                         f"runs it")
 
 
 def out_or(out: dict, name: str, make):

@@ -22,6 +22,7 @@ from ..schedule.kda import HEAD_DIM, MAX_HEADS
 from .gate import activate, expand_heads, kda_gate, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
+from .._runtime.tensor import require_cuda
 
 BACKWARD_MODES = ("replay", "saved")
 # The saved context of backward="saved": the chunk stage's and the forward walk's outputs that the
@@ -103,6 +104,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
         return (o, final, *(x.zero_() for x in context))
+    require_cuda(q, "q", "chunk_kda")
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
                                         output_final_state=output_final_state, save_tape=save, out=out, gate=gate)
@@ -344,6 +346,9 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
         if cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu: expected shape {list(cu_seqlens.shape)} (as cu_seqlens), got "
                              f"{list(cu_seqlens_cpu.shape)}")
+        if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
+            raise ValueError("cu_seqlens_cpu: must hold cu_seqlens' values (both are on the CPU here, so it is "
+                             "checked; a device cu_seqlens is not read back for it)")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -394,10 +399,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16)
     if state_v_first and initial_state is not None:
+        _check_v_first_state(initial_state, v, cu_seqlens)
         initial_state = initial_state.transpose(-1, -2)
     if use_qk_l2norm_in_kernel:
         _check_head_dim(q, "q")
-        q, k = l2norm(q), l2norm(k)
+        q, k = _qk_l2norm(q, k)
     q, k = expand_heads(q, k, v.shape[2])
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                  cu_seqlens_cpu, mode, gate_args)
@@ -428,6 +434,24 @@ def _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_
                                   "they are (warm up eagerly first)")
     if chunk_size != CHUNK:
         raise NotImplementedError(f"chunk_size: kda_aot's kernels run chunks of {CHUNK} tokens, got {chunk_size}")
+
+
+def _qk_l2norm(q, k):
+    """use_qk_l2norm_in_kernel: q and k normalised per head (the norm's kernel is the op's first: the refusal of
+    CPU tensors comes here, naming q)."""
+    require_cuda(q, "q", "chunk_kda")
+    return l2norm(q), l2norm(k)
+
+
+def _check_v_first_state(h0, v, cu_seqlens):
+    """A V-first initial state's shape, as the caller gave it (the checks after it see it transposed)."""
+    if not isinstance(h0, torch.Tensor):
+        raise TypeError(f"initial_state: expected a torch.Tensor, got {type(h0).__name__}")
+    N = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 else v.shape[0]
+    want = (N, v.shape[2], HEAD_DIM, HEAD_DIM)
+    if tuple(h0.shape) != want:
+        raise ValueError(f"initial_state: expected shape {list(want)} ([N, HV, V, K] with state_v_first=True), "
+                         f"got {list(h0.shape)}")
 
 
 def _check_head_dim(x, name):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._runtime import registry
-from .._runtime.tensor import describe, out_or, stream_of
+from .._runtime.tensor import describe, out_or, require_cuda, stream_of
 
 L2NORM_EPS = 1e-6
 WIDTH = 128
@@ -24,6 +24,7 @@ def l2norm_torch(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 
 def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
     """Kernel call: (y bf16 like x, rstd fp32 x.shape[:-1]). `out` may hold y / rstd (tests poison them)."""
+    require_cuda(x, "x", "l2norm")
     out = dict(out or {})
     y = out_or(out, "y", lambda: torch.empty_like(x))
     rstd = out_or(out, "rstd", lambda: torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32))
@@ -34,6 +35,7 @@ def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
 
 def l2norm_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, *, out=None) -> torch.Tensor:
     """Kernel call: dx bf16 like x. `out` may hold dx."""
+    require_cuda(x, "x", "l2norm")
     dx = out if out is not None else torch.empty_like(x)
     registry.library("l2norm_bwd").launch(describe(x, "x"), describe(rstd, "rstd"), describe(dy, "dy"),
                                           describe(dx, "dx"), stream_of(x))

@@ -36,6 +36,9 @@ def _check_kda_shapes(q, k, v, g, beta, initial_state, n_docs):
     if initial_state is not None and tuple(initial_state.shape) != (n_docs, H, K, V):
         raise ValueError(f"initial_state must be {(n_docs, H, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
+    if not torch.compiler.is_compiling() and not bool((g <= 0).all()):  # (a compiled graph would break on it)
+        raise ValueError("g: the log decay must be <= 0 everywhere (-inf resets a channel); got a positive or NaN "
+                         "value")
 
 
 def _decay_matrix(Gam: torch.Tensor, strict: bool) -> torch.Tensor:

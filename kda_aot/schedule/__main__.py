@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .._runtime.packing import CHUNK
 from . import fit
+from .kda import MAX_HEADS
 from .plan import forward_plan, replay_plan
 
 
@@ -26,11 +27,20 @@ def _lengths(text: str) -> list:
     return list(PACKS[text])
 
 
-def _indices(text: str, n: int) -> tuple:
-    picked = () if text.strip() == "-" else tuple(sorted(int(x) for x in text.split(",") if x.strip()))
+def _indices(ap, text: str, n: int) -> tuple:
+    try:
+        picked = () if text.strip() == "-" else tuple(sorted(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        ap.error(f"--cp: expected comma-separated segment indices or '-', got {text!r}")
     if any(not 0 <= s < n for s in picked):
-        raise SystemExit(f"--cp: segment indices must lie in [0, {n}), got {text!r}")
+        ap.error(f"--cp: segment indices must lie in [0, {n}), got {text!r}")
     return picked
+
+
+LEGEND = """
+SMs: the budget a group's walks are planned on; the fit rule's forms run one CTA per (segment, head) (full),
+two (split) or four (quarter). The replay runs each group's forward and backward walks at the same time, on
+half the SMs each. Groups are the launch groups of consecutive segments, in pack order."""
 
 
 def main(argv=None):
@@ -40,12 +50,24 @@ def main(argv=None):
     ap.add_argument("--cp", nargs=2, metavar=("SENDERS", "DEFERRED"), help="one CP rank's plans")
     ap.add_argument("--beside", action="store_true", help="with --cp: the exchange on a stream of its own")
     args = ap.parse_args(argv)
-    lengths, heads = _lengths(args.explain[0]), int(args.explain[1])
+    if args.beside and not args.cp:
+        ap.error("--beside: only with --cp (the exchange is a context-parallel node)")
+    try:
+        heads = int(args.explain[1])
+    except ValueError:
+        ap.error(f"HEADS: expected an integer, got {args.explain[1]!r}")
+    if not 1 <= heads <= MAX_HEADS:
+        ap.error(f"HEADS: chunk_kda takes 1 .. {MAX_HEADS} heads, got {heads}")
+    if args.sms < 1:
+        ap.error(f"--sms: expected a positive count, got {args.sms}")
+    lengths = _lengths(args.explain[0])
+    if not any(lengths):
+        ap.error(f"PACK: no tokens in {args.explain[0]!r}")
     chains = [-(-n // CHUNK) for n in lengths if n > 0]
     print(f"pack: {len(lengths)} documents, {sum(lengths)} tokens, {sum(chains)} chunks; H = {heads}, "
           f"{args.sms} SMs")
     if args.cp:
-        senders, deferred = (_indices(x, len(chains)) for x in args.cp)
+        senders, deferred = (_indices(ap, x, len(chains)) for x in args.cp)
         plans = (forward_plan(chains, heads, args.sms, first=senders, deferred=deferred, cp=True,
                               exchange_beside=args.beside),
                  replay_plan(chains, heads, args.sms, pieced=True))
@@ -60,6 +82,8 @@ def main(argv=None):
                 forms = fit.plan_walk(prog, chains[a:b], heads, plan.sms_of(prog, g))
                 print(f"      group {g} {prog}: " + ", ".join(f"{form} over segments [{a + x}, {a + y})"
                                                           for form, x, y in forms))
+    print(LEGEND.strip("\n") + (" The CP replay's plan takes no SENDERS / DEFERRED: the same on every rank."
+                                 if args.cp else ""))
 
 
 if __name__ == "__main__":
