@@ -195,7 +195,7 @@ def test_unserved_arguments_raise(reference_op):
               r"lower_bound: must be < 0"),
              (dict(backward="checkpoint"), ValueError, "backward: expected one of"),
              (dict(state_v_first=True, initial_state=torch.zeros(1, 2, D, 64)), ValueError,
-              r"initial_state: expected shape \[1, 2, 128, 128\] \(\[N, HV, V, K\] with state_v_first=True\), "
+              r"initial_state: expected shape \[N, 2, 128, 128\] \(\[N, HV, V, K\] with state_v_first=True\), "
               r"got \[1, 2, 128, 64\]"),
              (dict(cu_seqlens_cpu=torch.tensor([0, 32], dtype=x["cu"].dtype)), ValueError,
               "cu_seqlens_cpu: must hold cu_seqlens' values")]

@@ -399,7 +399,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16)
     if state_v_first and initial_state is not None:
-        _check_v_first_state(initial_state, v, cu_seqlens)
+        _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
     if use_qk_l2norm_in_kernel:
         _check_head_dim(q, "q")
@@ -443,15 +443,14 @@ def _qk_l2norm(q, k):
     return l2norm(q), l2norm(k)
 
 
-def _check_v_first_state(h0, v, cu_seqlens):
-    """A V-first initial state's shape, as the caller gave it (the checks after it see it transposed)."""
+def _check_v_first_state(h0, v):
+    """A V-first initial state's heads and (V, K) as the caller gave them (the checks after it see it transposed;
+    they check N, which the transpose keeps)."""
     if not isinstance(h0, torch.Tensor):
         raise TypeError(f"initial_state: expected a torch.Tensor, got {type(h0).__name__}")
-    N = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 else v.shape[0]
-    want = (N, v.shape[2], HEAD_DIM, HEAD_DIM)
-    if tuple(h0.shape) != want:
-        raise ValueError(f"initial_state: expected shape {list(want)} ([N, HV, V, K] with state_v_first=True), "
-                         f"got {list(h0.shape)}")
+    if h0.dim() != 4 or tuple(h0.shape[1:]) != (v.shape[2], HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"initial_state: expected shape [N, {v.shape[2]}, {HEAD_DIM}, {HEAD_DIM}] ([N, HV, V, K] "
+                         f"with state_v_first=True), got {list(h0.shape)}")
 
 
 def _check_head_dim(x, name):

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .kda import CuSeqlens, _bounds, _check_kda_shapes, _chunk_akk, _decay_matrix, _to_head_first, chunk_prepare
+from .kda import CuSeqlens, _bounds, _check_kda_inputs, _chunk_akk, _decay_matrix, _to_head_first, chunk_prepare
 
 # ============================================================================ KDA explicit backward
 #
@@ -161,7 +161,7 @@ def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
     """
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     cu = _bounds(cu_seqlens, T)
-    _check_kda_shapes(q, k, v, g, beta, initial_state, len(cu) - 1)
+    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     with torch.no_grad():
@@ -328,7 +328,7 @@ def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.
         raise ValueError(f"scale {scale} differs from the forward's {saved['scale']}")
     scale = saved["scale"]
     cu = saved["cu_seqlens"]
-    _check_kda_shapes(q, k, v, g, beta, None, len(cu) - 1)
+    _check_kda_inputs(q, k, v, g, beta, None, len(cu) - 1)
     if tuple(do.shape) != tuple(v.shape):
         raise ValueError(f"do must be {tuple(v.shape)}, got {tuple(do.shape)}")
     if dfinal_state is not None and tuple(dfinal_state.shape) != tuple(saved["final_state"].shape):

@@ -24,7 +24,7 @@ def _bounds(cu_seqlens: CuSeqlens, T: int) -> List[int]:
     return check_cu_seqlens(cu_seqlens, T)
 
 
-def _check_kda_shapes(q, k, v, g, beta, initial_state, n_docs):
+def _check_kda_inputs(q, k, v, g, beta, initial_state, n_docs):
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q must be [1, T, H, K], got {tuple(q.shape)}")
     _, T, H, K = q.shape
@@ -113,7 +113,7 @@ def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[fl
     both in `dtype`. Vectorised over heads, loops over documents and tokens."""
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     cu = _bounds(cu_seqlens, T)
-    _check_kda_shapes(q, k, v, g, beta, initial_state, len(cu) - 1)
+    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
@@ -143,7 +143,7 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
     document's last chunk may be short. Same arguments and results as kda_recurrent."""
     T, H, K = q.shape[1], q.shape[2], q.shape[3]
     cu = _bounds(cu_seqlens, T)
-    _check_kda_shapes(q, k, v, g, beta, initial_state, len(cu) - 1)
+    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
