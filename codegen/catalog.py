@@ -220,7 +220,7 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     Record(program="kda_bwd_gate", form="split_staged",
            params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
            select="always (the gated half of the chunk-parallel backward): two CTAs per (chunk, head) over 64 "
-                  "channels each, two resident per SM, dQg/dRk/dKg staged in shared memory (101 KB)",
+                  "channels each, two resident per SM, dQg/dRk/dKg staged in shared memory (110 KB)",
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)"),
     Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},

@@ -181,3 +181,56 @@ def test_gate_in_the_kernels_against_the_torch_activation(strong):
         assert err < BOUND.get(n, REL), f"d{n}: {err:.2e}"
     g_min = kda_gate(x["g"].float(), x["A_log"], x["dt_bias"], None).min().item()
     assert not strong or g_min < -25, g_min
+
+
+@pytest.mark.parametrize("form", ["split_staged", "full", "full_staged", "split"])
+@pytest.mark.parametrize("lower_bound", [None, -3.0], ids=["softplus", "sigmoid"])
+@pytest.mark.parametrize("mode,max_heads", [("replay", 0), ("replay", 1), ("saved", 0)],
+                         ids=["replay", "replay-head-groups", "saved"])
+def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_bound, mode, max_heads):
+    """A bf16 raw gate (as FLA's f_proj gives it) reaches kda_fwd_chunk and kda_bwd_gate as it is, no fp32
+    copy (their launches are watched): every output and gradient bitwise what its exact fp32 copy gives, dg in
+    bf16 (the fp32 copy's, rounded once), in every kda_bwd_gate form, both gate kinds and both modes; the replay
+    in head groups also bitwise the saved mode (dA_log and ddt_bias summed over one shape in both)."""
+    from kda_aot._runtime import registry
+    from kda_aot._runtime.tensor import DTYPE_CODES
+    kda_options(gate_form=form, max_heads=max_heads)
+    x = cuda_inputs(4, 4, ("bf16-gate", form, lower_bound, mode, max_heads))
+    raw = x["g"].to(torch.bfloat16)
+    names = ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
+
+    def call(g, backward):
+        leaves = {n: x[n].clone().requires_grad_() for n in names}
+        leaves["g"] = g.clone().requires_grad_()
+        o, s = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["b"], None, leaves["h0"],
+                                 True, True, True, True, lower_bound=lower_bound, safe_gate=lower_bound is not None,
+                                 cu_seqlens=x["cu"], A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
+                                 backward=backward)
+        torch.autograd.backward((o, s), (x["do"].to(torch.bfloat16), x["dht"]))
+        return o, s, {n: leaves[n].grad for n in names}
+
+    seen, library = [], registry.library
+
+    class Watched:
+        def __init__(self, program, form):
+            self.program, self.lib = program, library(program, form)
+
+        def launch(self, desc, *args):
+            if "g" in desc:
+                seen.append((self.program, desc["g"][1]))  # (ptr, dtype code, ...)
+            return self.lib.launch(desc, *args)
+    monkeypatch.setattr(registry, "library", lambda program, form="default": Watched(program, form))
+    o16, s16, d16 = call(raw, mode)
+    monkeypatch.setattr(registry, "library", library)
+    bf16_reads = {p for p, code in seen if code == DTYPE_CODES[torch.bfloat16]}
+    assert {"kda_fwd_chunk", "kda_bwd_gate"} <= bf16_reads, seen
+    o32, s32, d32 = call(raw.float(), mode)
+    assert torch.equal(o16, o32) and torch.equal(s16, s32)
+    assert d16["g"].dtype == torch.bfloat16 and torch.equal(d16["g"], d32["g"].to(torch.bfloat16))
+    for n in names:
+        if n != "g":
+            assert torch.equal(d16[n], d32[n]), f"d{n}: the bf16 raw gate's differs from its fp32 copy's"
+    if max_heads:
+        _, _, saved = call(raw, "saved")
+        for n in names:
+            assert torch.equal(saved[n], d16[n]), f"d{n}: the replay in head groups differs from the saved mode"

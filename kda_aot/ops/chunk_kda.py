@@ -177,7 +177,7 @@ def _backward_result(q, beta, tables, grads, decay, dfinal_state):
         dh0 = _no_state(q)
     else:
         dh0 = tables.document_rows(dh0 * decay, dfinal_state)
-    da_log, ddt_bias = gate_grads if gate_grads else (_no_state(q), _no_state(q))
+    da_log, ddt_bias = kda_backward.gate_parameter_grads(*gate_grads) if gate_grads else (_no_state(q), _no_state(q))
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, da_log, ddt_bias
 
 
@@ -303,9 +303,9 @@ chunk_kda_fwd_saved_op.register_autograd(_backward, setup_context=_setup_context
 
 # ---------------------------------------------------------------------------------- public op
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=False):
     """Checks that need only shapes, dtypes and devices (the values of cu_seqlens are checked by the op,
-    before any kernel of it runs)."""
+    before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -330,6 +330,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
     for name, t, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
                            ("g", g, torch.float32), ("beta", beta, torch.bfloat16),
                            ("initial_state", initial_state, torch.float32)):
+        if name == "g" and raw_gate and t.dtype == torch.bfloat16:
+            continue
         if t is not None and t.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
@@ -397,7 +399,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         use_gate_in_kernel, A_log, dt_bias = False, None, None
     g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16)
+                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=bool(gate_args))
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
@@ -462,7 +464,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
                       backward, gate_args=()):
     """The KDA op on checked inputs of H heads each (q and k already normalised when asked); gate_args:
     the kernels' gate activation (kernel_gate), g then the raw gate."""
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args))
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
         cu = torch.arange(B + 1, dtype=torch.int32, device="cpu") * T

@@ -70,15 +70,17 @@ def kda_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
 
 def kernel_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float],
                 safe_gate: bool) -> tuple:
-    """use_gate_in_kernel on the GPU, checked: the raw gate as fp32 and the kernels' activation arguments
-    (A_log [HV] fp32 or None, dt_bias [HV, K] fp32 or None, gate kind 1 softplus / 2 sigmoid, lower bound),
-    which kda_fwd_chunk and kda_bwd_gate form the log decay from (kda_gate: the same formula in torch)."""
+    """use_gate_in_kernel on the GPU, checked: the raw gate as the kernels read it (bf16 as it is, as FLA's
+    f_proj gives it: dg comes back in bf16 too; any other float as fp32) and the kernels' activation
+    arguments (A_log [HV] fp32 or None, dt_bias [HV, K] fp32 or None, gate kind 1 softplus / 2 sigmoid, lower
+    bound), which kda_fwd_chunk and kda_bwd_gate form the log decay from (kda_gate: the same formula in torch)."""
     check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
     HV, K = g.shape[-2], g.shape[-1]
     a = None if A_log is None else A_log.float().reshape(HV)
     dt = None if dt_bias is None else dt_bias.float().reshape(HV, K)
     kind = 1 if lower_bound is None else 2
-    return g.float(), (a, dt, kind, 0.0 if lower_bound is None else float(lower_bound))
+    raw = g if g.dtype == torch.bfloat16 else g.float()
+    return raw, (a, dt, kind, 0.0 if lower_bound is None else float(lower_bound))
 
 
 def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -94,10 +96,11 @@ def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.b
 
 def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
              lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-             beta_dtype: torch.dtype) -> tuple:
+             beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False) -> tuple:
     """FLA's per-token input activations, checked: (g as the log decay, beta). q [.., H, K], v, g [.., HV, K]
     and beta [.., HV] with HV a multiple of H; a narrower float g without use_gate_in_kernel is widened to
-    fp32 exactly. Per token: under context parallelism each rank activates its own tokens."""
+    fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate, which the kernels read as it is).
+    Per token: under context parallelism each rank activates its own tokens."""
     for name, t in (("q", q), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -120,7 +123,7 @@ def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kerne
         for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
             if t is not None:
                 raise ValueError(f"{name}: only used with use_gate_in_kernel=True (g is the log decay here)")
-        if g.is_floating_point() and g.dtype not in (torch.float32, torch.float64):
+        if g.is_floating_point() and g.dtype not in (torch.float32, torch.float64) and not raw_gate_in_kernels:
             g = g.float()
     if use_beta_sigmoid_in_kernel:
         beta = beta_sigmoid(beta, allow_neg_eigval, beta_dtype)

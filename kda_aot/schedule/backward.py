@@ -118,20 +118,29 @@ def _launch_gate(t: dict, gate_form: str):
 
 def _gate_result(t: dict, dv, dh0) -> tuple:
     """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run, and with the
-    gate's activation (dg: the raw gate's) dA_log [H] and ddt_bias [H, 128] after them (fp32, the
-    chunks' parts summed in chunk order)."""
+    gate's activation (dg: the raw gate's) the per-chunk parts of dA_log [C, H, 2] and ddt_bias [C, H, 128]
+    after them (gate_parameter_grads sums them)."""
     q = t["q"]
     dbeta = t["dbeta"] if "dbeta" in t else (t["dbeta_part"][0] + t["dbeta_part"][1]) + t["dbeta_v"][0]
     grads = (t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0)
     if t.get("gate") is None:
         return grads
-    return grads + (t["da_log_part"].sum(dim=(0, 2)), t["ddt_bias_part"].sum(dim=0))
+    return grads + (t["da_log_part"], t["ddt_bias_part"])
+
+
+def gate_parameter_grads(da_log_part: torch.Tensor, ddt_bias_part: torch.Tensor) -> tuple:
+    """dA_log [H] and ddt_bias [H, 128] from kda_bwd_gate's per-chunk parts of all H heads, one reduction
+    each: the saved backward and the replay (also a head group at a time) reduce the same shapes, so their
+    bits agree (a reduction's order may depend on its shape)."""
+    return da_log_part.sum(dim=(0, 2)), ddt_bias_part.sum(dim=0)
 
 
 def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_walk), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
-    Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32).
+    Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32); with the gate's
+    activation (saved["gate"]) dg is the raw gate's, in its dtype, and the per-chunk parts of dA_log and
+    ddt_bias follow (gate_parameter_grads sums them).
     release: drop each saved intermediate from `saved` once no later stage reads it, so the gated
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
     gate_form: one of GATE_FORMS (default: Options.gate_form, else the shipped split_staged).
@@ -367,7 +376,8 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
 
 def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs). With
-    gate (a kda.GateActivation) it returns dA_log and ddt_bias after the six gradients."""
+    gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
+    (_gate_result)."""
     T, H = q.shape[1], q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
     groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
@@ -378,8 +388,9 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None)
              None if h0 is None and dht is None else
              torch.empty(tables.n_segments, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
     if gate is not None:
-        grads += (torch.empty(H, device=q.device, dtype=torch.float32),
-                  torch.empty(H, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
+        C = tables.chunks.shape[0]
+        grads += (torch.empty(C, H, 2, device=q.device, dtype=torch.float32),
+                  torch.empty(C, H, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
     for a, b in groups:
         part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
         state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
@@ -390,6 +401,6 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None)
         if grads[5] is not None:
             grads[5][:, a:b].copy_(got[5])
         if gate is not None:
-            grads[6][a:b].copy_(got[6])
-            grads[7][a:b].copy_(got[7])
+            grads[6][:, a:b].copy_(got[6])
+            grads[7][:, a:b].copy_(got[7])
     return grads

@@ -29,6 +29,9 @@ struct KdaGate {
   float lower_bound;
   const float* a_log;    // [H] fp32, or null: exp(A_log) = 1
   const float* dt_bias;  // [H, 128] fp32, or null: 0
+  // [T, H, 128] the raw gate in bf16 (as FLA's f_proj gives it; g then null), or null: g in fp32. Read as it
+  // is, so that no fp32 copy of it goes through memory.
+  const uint16_t* raw_bf16;
 };
 
 struct KdaFwdArgs {
@@ -103,6 +106,7 @@ struct KdaBwdArgs {
   uint16_t* dq;                  // [T, H, 128] bf16
   uint16_t* dk;                  // [T, H, 128] bf16
   float* dg;                     // [T, H, 128] fp32
+  uint16_t* dg_bf16;             // [T, H, 128] bf16: dg in the raw gate's dtype when gate.raw_bf16 (dg then null)
   float* dbeta;                  // [T, H] fp32
   float* dbeta_part;             // [2, T, H] fp32: per channel half, when two CTAs share a (chunk, head)
   // with the gate's activation (gate.kind != kGateRaw) dg is the raw gate's gradient, and each chunk's parts

@@ -18,11 +18,22 @@ struct KdaTensors {
     auto it = t.find(name);
     return it == t.end() ? 0 : it->second.ptr;
   }
+  bool bf16(const char* name) const {
+    auto it = t.find(name);
+    return it != t.end() && it->second.present && it->second.dtype == kBFloat16;
+  }
 };
 
-// need: tensors that must be given; need_one: tensors of which at least one must be given.
+inline bool needs(const std::vector<std::string>& need, const char* name) {
+  for (const auto& n : need)
+    if (n == name) return true;
+  return false;
+}
+
+// need: tensors that must be given; need_one: tensors of which at least one must be given. gate_kind: the
+// gate's activation of a program that reads g (kind 1, 2: g may be the raw gate in bf16, and dg then bf16).
 inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what,
-                                    const std::vector<std::string>& need_one = {}) {
+                                    const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw) {
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
@@ -125,7 +136,11 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   for (const Spec& sp : specs) {
     auto it = t.find(sp.name);
     if (it == t.end() || !it->second.present) continue;
-    expect_dtype(it->second, sp.dtype);
+    // g and dg may also be bf16: the raw gate as FLA gives it and its gradient, for a program that activates
+    // it (or one that does not read them: the walks get the same tensors)
+    const bool raw_gate = (std::string(sp.name) == "g" || std::string(sp.name) == "dg") &&
+                          it->second.dtype == kBFloat16 && (gate_kind != kGateRaw || !needs(need, sp.name));
+    if (!raw_gate) expect_dtype(it->second, sp.dtype);
     expect_shape(it->second, sp.shape, sp.spelled);
     expect_contiguous(it->second);
     // beta and dbeta are read per element; every other tensor in 16-byte vectors
@@ -148,7 +163,9 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
 
 // The gate's activation (KdaGate): its kind and lower bound from the caller, its parameter tensors from the
 // checked set. Raw (kind 0) takes no parameter tensor; the others need g, and lower_bound < 0 for the sigmoid.
-inline KdaGate gate_args(const KdaTensors& k, int kind, double lower_bound, const char* what) {
+// reads_g: the program reads g (kda_fwd_chunk, kda_bwd_gate): bf16 there only as the raw gate of kind 1, 2
+// (check_kda_tensors); the others may be handed the same g and ignore it.
+inline KdaGate gate_args(const KdaTensors& k, int kind, double lower_bound, const char* what, bool reads_g) {
   if (kind != kGateRaw && kind != kGateSoftplus && kind != kGateSigmoid)
     fail_value(std::string(what) + ": gate_kind must be 0 (g is the log decay), 1 (softplus) or 2 (sigmoid), got " +
                std::to_string(kind));
@@ -163,6 +180,7 @@ inline KdaGate gate_args(const KdaTensors& k, int kind, double lower_bound, cons
   gate.lower_bound = static_cast<float>(lower_bound);
   gate.a_log = reinterpret_cast<const float*>(k.ptr("gate_a_log"));
   gate.dt_bias = reinterpret_cast<const float*>(k.ptr("gate_dt_bias"));
+  if (reads_g && k.bf16("g")) gate.raw_bf16 = reinterpret_cast<const uint16_t*>(k.ptr("g"));  // kind 1, 2
   return gate;
 }
 
@@ -177,13 +195,13 @@ inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const 
 inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what,
                            int gate_kind = kGateRaw, double lower_bound = 0.0) {
-  const KdaTensors k = check_kda_tensors(tensors, need, what);
+  const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind);
   KdaFwdArgs a{};
-  a.gate = gate_args(k, gate_kind, lower_bound, what);
+  a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
   a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
   a.v = reinterpret_cast<const uint16_t*>(k.ptr("v"));
-  a.g = reinterpret_cast<const float*>(k.ptr("g"));
+  a.g = a.gate.raw_bf16 || k.bf16("g") ? nullptr : reinterpret_cast<const float*>(k.ptr("g"));
   a.beta = reinterpret_cast<const uint16_t*>(k.ptr("beta"));
   a.initial_state = reinterpret_cast<const float*>(k.ptr("initial_state"));
   a.chunks = reinterpret_cast<const int32_t*>(k.ptr("chunks"));
@@ -213,9 +231,11 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
                            int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what,
                            const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
                            double lower_bound = 0.0) {
-  const KdaTensors k = check_kda_tensors(tensors, need, what, need_one);
+  const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind);
   KdaBwdArgs a{};
-  a.gate = gate_args(k, gate_kind, lower_bound, what);
+  a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
+  if (k.ptr("dg") && k.bf16("dg") != (a.gate.raw_bf16 != nullptr))
+    fail_type(std::string(what) + ": dg must have g's dtype (bfloat16 only for a bfloat16 raw gate)");
   if (gate_kind != kGateRaw && !(k.ptr("ddt_bias_part") && k.ptr("da_log_part")))
     fail_type(std::string(what) + ": the gate's activation needs ddt_bias_part and da_log_part");
   a.ddt_bias_part = reinterpret_cast<float*>(k.ptr("ddt_bias_part"));
@@ -248,10 +268,11 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.dgam_s = reinterpret_cast<float*>(k.ptr("dgam_s"));
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
   a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
-  a.g = reinterpret_cast<const float*>(k.ptr("g"));
+  a.g = a.gate.raw_bf16 || k.bf16("g") ? nullptr : reinterpret_cast<const float*>(k.ptr("g"));
   a.dq = reinterpret_cast<uint16_t*>(k.ptr("dq"));
   a.dk = reinterpret_cast<uint16_t*>(k.ptr("dk"));
-  a.dg = reinterpret_cast<float*>(k.ptr("dg"));
+  a.dg = a.gate.raw_bf16 ? nullptr : reinterpret_cast<float*>(k.ptr("dg"));
+  a.dg_bf16 = a.gate.raw_bf16 ? reinterpret_cast<uint16_t*>(k.ptr("dg")) : nullptr;
   a.dbeta = reinterpret_cast<float*>(k.ptr("dbeta"));
   a.dbeta_part = reinterpret_cast<float*>(k.ptr("dbeta_part"));
   a.T = k.T;
