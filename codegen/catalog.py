@@ -41,7 +41,8 @@ _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "d
 # binding.cpp.j2.
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
-                                         "aqk", "gamma"), gate=True),
+                                         "aqk", "aqk_diag_lo", "gamma"), gate=True),
+    # kda_fwd_walk also needs aqk_diag_lo when it writes o (the binding checks: the replay's walk writes none)
     "kda_fwd_walk": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
     "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
     # without dtape the offset walk (the entering-state gradients context parallelism sends)

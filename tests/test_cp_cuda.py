@@ -150,7 +150,7 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(kda_options, lens, de
     for (m_a, b_a), (m_b, b_b) in zip(want, got, strict=True):
         assert torch.equal(m_a, m_b) and torch.equal(b_a, b_b)
     assert torch.equal(o_a, o_b) and torch.equal(fin_a, fin_b)
-    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name
 
 
@@ -177,7 +177,7 @@ def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch,
     ctx_b, walk = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known, remote if skip else ())
     walked = [i for i in range(len(lens)) if not (skip and i in remote)]  # skip: the remote rows unwritten
     assert torch.equal(walk[1][walked], d_a[walked])
-    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma"):
         assert torch.equal(ctx_a[name], ctx_b[name]), name
     for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk, rewalk=remote)):
         assert torch.equal(x, y)

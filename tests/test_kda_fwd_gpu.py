@@ -189,7 +189,7 @@ def test_walk_without_output_is_bitwise_the_same(form):
     b = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, save_tape=True,
                       walk_form=form, want_output=False)
     assert b[0] is None and torch.equal(a[1], b[1])
-    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma"):
         assert torch.equal(a[2][name], b[2][name]), name
 
 
@@ -222,7 +222,7 @@ def test_pipelined_forward_is_bitwise_the_plain_one(chains, save_tape, init):
     o2, h2, s2 = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                                save_tape=save_tape, pipeline=True, out=out)
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
-    names = ["w", "u", "qg", "kg", "aqk", "gamma"] + (["tape", "vnew", "akk_inv"] if save_tape else [])
+    names = ["w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma"] + (["tape", "vnew", "akk_inv"] if save_tape else [])
     for name in names:
         assert torch.equal(s1[name], s2[name]), name
     assert (s2["akk_inv"] is None) == (not save_tape)

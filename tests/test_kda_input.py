@@ -123,6 +123,22 @@ def test_backward_walk_binding_checks():
         lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
 
 
+def test_forward_walk_needs_the_diagonal_correction_with_an_output():
+    q, k, v, g, b, cu = good()
+    T, H = q.shape[1], q.shape[2]
+    lib = registry.library("kda_fwd_walk", "full")
+    chunks, segs = chunk_table([0, 5, T])
+    full = {"q": q, "chunks": torch.tensor(chunks, dtype=torch.int32, device=DEV).view(-1, 2),
+            "seg_chunks": torch.tensor(segs, dtype=torch.int32, device=DEV), "w": k, "u": v, "qg": q, "kg": k,
+            "aqk": torch.zeros(1, T, H, 64, device=DEV, dtype=torch.bfloat16),
+            "gamma": torch.zeros(len(chunks) // 2, H, 128, device=DEV), "o": torch.empty_like(q)}
+    with pytest.raises(TypeError, match="kda_fwd_walk/full: aqk_diag_lo is required with o"):
+        lib.launch({n: describe(x, n) for n, x in full.items()}, 1.0, 0)
+    bad = dict(full, aqk_diag_lo=torch.zeros(1, T, H, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="aqk_diag_lo: expected dtype float32"):
+        lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
+
+
 def test_pack_tables_are_cached_by_value_and_accept_cpu_boundaries():
     a = pack_tables(torch.tensor([0, 1, 65, 130, 259]), 259, DEV)
     b = pack_tables(torch.tensor([0, 1, 65, 130, 259], dtype=torch.int32, device=DEV), 259, DEV)

@@ -30,6 +30,7 @@ def _fwd_chunk(t):
         t["qg"][0, sl] = (q * 3).to(t["qg"].dtype)
         t["kg"][0, sl] = (k - 1).to(t["kg"].dtype)
         t["aqk"][0, sl] = float(t1 - t0)
+        t["aqk_diag_lo"][0, sl] = (q.sum(-1) * 1e-3).to(t["aqk_diag_lo"].dtype)
         if t.get("akk_inv") is not None:
             t["akk_inv"][0, sl] = float(t0 % 7)
         t["gamma"][c] = t["g"][0, sl].sum(0)
@@ -51,7 +52,8 @@ def _fwd_walk(t):
             if t.get("vnew") is not None:
                 t["vnew"][0, t0:t1] = (t["u"][0, t0:t1].float() - S.mean(-1)).to(t["vnew"].dtype)
             if t.get("o") is not None:
-                t["o"][0, t0:t1] = (t["qg"][0, t0:t1].float() + S.mean(-2)).to(t["o"].dtype)
+                t["o"][0, t0:t1] = (t["qg"][0, t0:t1].float() + S.mean(-2)
+                                    + t["aqk_diag_lo"][0, t0:t1, :, None]).to(t["o"].dtype)
             S = 0.9 * S + 1e-3 * t["gamma"][c][..., None] + 1e-3 * t["w"][0, t0:t1].float().sum(0)[..., None]
         if t.get("final_state") is not None:
             t["final_state"][s] = S
@@ -106,11 +108,11 @@ _PROGRAMS = {"kda_fwd_chunk": _fwd_chunk, "kda_fwd_walk": _fwd_walk, "kda_bwd_wa
 # holds every launch to having waited for the launches that wrote what it reads, and for those that read or
 # wrote what it writes.
 _READS = {"kda_fwd_chunk": ("q", "k", "v", "g", "beta"),
-          "kda_fwd_walk": ("w", "u", "qg", "kg", "aqk", "gamma", "initial_state"),
+          "kda_fwd_walk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "initial_state"),
           "kda_bwd_walk": ("dout", "w", "qg", "kg", "aqk", "gamma", "dfinal_state"),
           "kda_bwd_chunk": ("dtape", "tape", "dout", "vnew", "kg", "aqk", "akk_inv", "u", "v", "w", "beta", "gamma"),
           "kda_bwd_gate": ("dqg", "dkg", "drk", "daqk", "daqk_diag", "dakk", "dbeta_v", "dgam_s", "q", "k", "g", "beta")}
-_WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"),
+_WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma"),
            "kda_fwd_walk": ("tape", "vnew", "o", "final_state"),
            "kda_bwd_walk": ("dtape", "dinitial_state"),
            "kda_bwd_chunk": ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s"),

@@ -134,10 +134,11 @@ KNOB_DOC = {
 }
 
 # What the kernels do now (the numerics fixes): the gate floored at -20, the diagonal blocks in three
-# anchored pieces, Aqk's diagonal exact, W's diagonal term in fp32, dAqk's diagonal terms exact and out of
-# dGamma, dKg in fp32, dg's Kg terms as a prefix sum, dV' as bf16 hi + lo in kda_bwd_chunk.
-FIXED = dict(SHIPPED, gate_clamp=20.0, anchor="mid8", aqk_ii="exact", w_beta="t_diag", gate_diag="exact",
-             daqk_ii="fp32", dkg="fp32", dg_kg="prefix", dvp="hilo")
+# anchored pieces, Aqk's diagonal exact and its bf16 rounding error added back after the walk's product, W's
+# diagonal term in fp32, dAqk's diagonal terms exact and out of dGamma, dKg in fp32 with dS as hi + lo, dg's Kg
+# terms as a prefix sum, dV' as bf16 hi + lo in kda_bwd_chunk.
+FIXED = dict(SHIPPED, gate_clamp=20.0, anchor="mid8", aqk_ii="exact", o_diag="residual", w_beta="t_diag",
+             gate_diag="exact", daqk_ii="fp32", dkg="fp32", tape_dkg="hilo", dg_kg="prefix", dvp="hilo")
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -157,7 +157,7 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     else:
         dtape, dh0 = chunk_kda_bwd_walk(saved, dout, dfinal_state)
     if release:
-        for name in ("qg", "o", "final_state"):
+        for name in ("qg", "o", "final_state", "aqk_diag_lo"):  # (the walk's output stage alone reads the last)
             saved.pop(name, None)
     if rewalk:
         parts = _bwd_chunk_rewalk(saved, dout, dfinal_state, dtape, dh0, sorted(rewalk))

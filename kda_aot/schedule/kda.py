@@ -199,7 +199,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
-        "aqk": torch.empty(1, T, H, CHUNK, **bf16),
+        "aqk": torch.empty(1, T, H, CHUNK, **bf16), "aqk_diag_lo": torch.empty(1, T, H, **f32),
         "gamma": out_or(out or {}, "gamma", lambda: torch.empty(C, H, HEAD_DIM, **f32)),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here

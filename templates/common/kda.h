@@ -52,6 +52,9 @@ struct KdaFwdArgs {
   uint16_t* qg;                 // [T, H, 128] bf16  Q * exp(Gamma)
   uint16_t* kg;                 // [T, H, 128] bf16  K * exp(gamma - Gamma)
   uint16_t* aqk;                // [T, H, 64]  bf16  row i of the chunk's tril(Aqk)
+  float* aqk_diag_lo;           // [T, H]      fp32  Aqk_ii - bf16(Aqk_ii): the rounding error of the diagonal
+                                //                    (q_i . k_i, o_i's largest term at strong decay), which the
+                                //                    walk's output stage adds back (docs/numerics.md)
   float* gamma;                 // [n_chunks, H, 128] fp32: Gamma at the chunk's last token
   uint16_t* akk_inv;            // [T, H, 64]  bf16  row i of the chunk's (I + L)^-1, or null (for the backward)
   // kda_fwd_walk outputs

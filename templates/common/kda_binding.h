@@ -32,10 +32,12 @@ inline bool needs(const std::vector<std::string>& need, const char* name) {
 
 // need: tensors that must be given; need_one: tensors of which at least one must be given. gate_kind: the
 // gate's activation of a program that reads g (kind 1, 2: g may be the raw gate in bf16, and dg then bf16).
+// need_with_o: a tensor that must be given with the output o.
 inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what,
-                                    const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw) {
+                                    const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
+                                    const char* need_with_o = nullptr) {
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
-                                 "qg", "kg", "aqk", "gamma", "tape", "vnew", "final_state", "o",
+                                 "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
                                  "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
                                  "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
@@ -60,6 +62,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     }
     if (!any) fail_type(std::string(what) + ": expected a tensor for " + names);
   }
+  if (need_with_o && t.count("o") && t["o"].present && !(t.count(need_with_o) && t[need_with_o].present))
+    fail_type(std::string(what) + ": " + need_with_o + " is required with o");
 
   // q (or dout) fixes T and H; chunks fixes the chunk count; seg_chunks the segment count.
   const Tensor& q = t.count("q") && t["q"].present ? t["q"] : t["dout"];
@@ -102,6 +106,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"qg", kBFloat16, tok, "[1, T, H, 128]"},
       {"kg", kBFloat16, tok, "[1, T, H, 128]"},
       {"aqk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"aqk_diag_lo", kFloat32, {1, T, H}, "[1, T, H]"},
       {"gamma", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
       {"tape", kFloat32, {C, H, kHeadDim, kHeadDim}, "[n_chunks, H, 128, 128]"},
       {"vnew", kBFloat16, tok, "[1, T, H, 128]"},
@@ -147,7 +152,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     // (seg_chunks too: a view narrowed to one segment starts at any int32)
     const bool scalar = std::string(sp.name) == "beta" || std::string(sp.name) == "dbeta" ||
                         std::string(sp.name) == "dbeta_v" || std::string(sp.name) == "dbeta_part" ||
-                        std::string(sp.name) == "daqk_diag" || std::string(sp.name) == "gate_a_log" ||
+                        std::string(sp.name) == "daqk_diag" || std::string(sp.name) == "aqk_diag_lo" ||
+                        std::string(sp.name) == "gate_a_log" ||
                         std::string(sp.name) == "gate_dt_bias" || std::string(sp.name) == "da_log_part" ||
                         std::string(sp.name) == "seg_chunks";
     expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
@@ -195,7 +201,9 @@ inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const 
 inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what,
                            int gate_kind = kGateRaw, double lower_bound = 0.0) {
-  const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind);
+  // the walk's output stage adds back Aqk's diagonal rounding error (kda_fwd_chunk's aqk_diag_lo)
+  const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind,
+                                         needs(need, "aqk") ? "aqk_diag_lo" : nullptr);
   KdaFwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
@@ -216,6 +224,7 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.qg = reinterpret_cast<uint16_t*>(k.ptr("qg"));
   a.kg = reinterpret_cast<uint16_t*>(k.ptr("kg"));
   a.aqk = reinterpret_cast<uint16_t*>(k.ptr("aqk"));
+  a.aqk_diag_lo = reinterpret_cast<float*>(k.ptr("aqk_diag_lo"));
   a.gamma = reinterpret_cast<float*>(k.ptr("gamma"));
   a.akk_inv = reinterpret_cast<uint16_t*>(k.ptr("akk_inv"));
   a.tape = reinterpret_cast<float*>(k.ptr("tape"));
