@@ -16,7 +16,8 @@ fi
 # FLA's autotuning otherwise takes minutes of every fresh machine. .triton_autotune.tgz holds the
 # autotuning results alone (small: with them Triton compiles only each kernel's chosen config).
 mkdir -p "$HOME/.triton"
-for f in .triton_cache.tgz .triton_autotune.tgz; do
+# bench/triton_autotune.tgz is the committed copy (the checkout of a new session has no carried one).
+for f in bench/triton_autotune.tgz .triton_cache.tgz .triton_autotune.tgz; do
   if [ -f "$f" ]; then tar xzf "$f" -C "$HOME/.triton"; fi
 done
 # save_triton_cache: the autotuning results into $OUT (triton_autotune.tgz) and, when the whole

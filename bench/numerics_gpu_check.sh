@@ -10,7 +10,7 @@
 #   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
 #   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
 # Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks;
-# TESTS overrides step 3's files (TESTS_S its cap, default 240 s), NUMERICS_S step 2's cap (default 300 s), NUMERICS_ARGS its arguments
+# TIMING_S caps the timing step (default 120 s); TESTS overrides step 3's files (TESTS_S its cap, default 240 s), NUMERICS_S step 2's cap (default 300 s), NUMERICS_ARGS its arguments
 # (e.g. --init-only, --cases H4/const-8/beta2 --draws 8).
 # Here first: `python3 -m codegen render && python3 bench/kernel_objects.py`, then carry .whl, build/kobj
 # (and .triton_autotune.tgz when there: FLA's autotuning otherwise takes minutes of a fresh machine).
@@ -48,7 +48,7 @@ for step in $STEPS; do
         stamp "compute-sanitizer $tool exit $? $(tail -1 "$OUT/sanitizer_$tool.log")"
       done ;;
     timing)
-      timeout -s INT -k 10 "$(cap 120)" python3 bench/numerics.py --out "$OUT" --timing --only-timing > "$OUT/timing.log" 2>&1
+      timeout -s INT -k 10 "$(cap ${TIMING_S:-120})" python3 bench/numerics.py --out "$OUT" --timing --only-timing > "$OUT/timing.log" 2>&1
       stamp "timing: $(grep '^timing' "$OUT/timing.log" | tr '\n' ' ')" ;;
   esac
 done
