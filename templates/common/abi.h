@@ -5,7 +5,7 @@
 
 namespace kda {
 
-// Mirrored by kda_aot/_tensor.py (DTYPE_CODES); every binding exports these so a test can
+// Mirrored by kda_aot/_runtime/tensor.py (DTYPE_CODES); every binding exports these so a test can
 // check the two sides agree.
 enum DType : int {
   kFloat32 = 0,

@@ -1,5 +1,5 @@
 // Argument checking for binding units. Bindings receive tensors as plain descriptors
-// (ptr, dtype code, device index, shape, strides in elements) made by kda_aot/_tensor.py, so
+// (ptr, dtype code, device index, shape, strides in elements) made by kda_aot/_runtime/tensor.py, so
 // no torch header is needed and one wheel serves any torch version. Every check raises a
 // Python TypeError/ValueError naming the argument, before anything is launched.
 #pragma once
@@ -130,7 +130,7 @@ inline int expect_one_cuda_device(const std::vector<const Tensor*>& ts) {
   return device;
 }
 
-// Export the dtype codes so tests can check kda_aot/_tensor.py agrees with this header.
+// Export the dtype codes so tests can check kda_aot/_runtime/tensor.py agrees with this header.
 inline void export_abi(py::module_& m) {
   py::dict codes;
   for (int c : {kFloat32, kBFloat16, kFloat16, kInt32, kInt64, kFloat64}) codes[dtype_name(c)] = c;
