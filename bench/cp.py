@@ -197,7 +197,7 @@ def main(argv=None) -> int:
                         "chunk stage pipelined with the walks)")
     p.add_argument("--ab", action="append", default=[], metavar="OPTION=VALUE[,OPTION=VALUE]",
                    help="add the arm kda_aot/OPTION=VALUE[,..]: kda_aot.options.Options changed so during its "
-                        "calls (repeatable; e.g. cp_replay_pieces=0)")
+                        "calls (repeatable; e.g. cp_batched_summaries=0)")
     args = p.parse_args(argv)
     ab = []
     for text in args.ab:

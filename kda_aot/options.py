@@ -24,16 +24,19 @@ class Options:
     # kernel forms of the gate and kda_bwd_chunk ("": the shipped form)
     gate_form: str = ""
     bwd_chunk_form: str = ""
-    # the chunk stage a segment group at a time beside the walks (False: one launch, then the walks)
+    # The orders below are shipped on; each off-setting is the plain order that a bitwise test compares
+    # the shipped one with (the test named beside it), so it stays.
+    # the chunk stage a segment group at a time beside the walks (False: one launch, then the walks;
+    # tests/test_graph_gpu.py, test_kda_fwd_gpu.py)
     pipeline: bool = True
     # the replay backward's forward walks beside its backward walks, and the last group in pieces
+    # (test_kda_bwd_gpu.py::test_replay_walks_side_by_side_are_bitwise_the_sequential_replay, test_cp_cuda.py)
     replay_overlap: bool = True
     # at most this many heads per replay-backward group (0: as many as memory holds)
     max_heads: int = 0
-    # context parallelism: the pipelined orders, the summaries batched, the replay in pieces
+    # context parallelism: the pipelined orders, the summaries batched (test_cp_nccl_cuda.py)
     cp_pipeline: bool = True
     cp_batched_summaries: bool = True
-    cp_replay_pieces: bool = True
     # context parallelism, not yet measured on two GPUs: the exchange beside the walks, and the
     # last group of the senders in pieces
     cp_exchange_beside: bool = False

@@ -16,7 +16,7 @@ from kda_aot.options import Options
 def test_defaults_are_the_shipped_choices():
     o = Options()
     assert (o.walk_form, o.pipeline, o.replay_overlap, o.max_heads) == ("auto", True, True, 0)
-    assert (o.cp_pipeline, o.cp_batched_summaries, o.cp_replay_pieces) == (True, True, True)
+    assert (o.cp_pipeline, o.cp_batched_summaries) == (True, True)
     assert (o.cp_exchange_beside, o.cp_piece_senders, o.debug_timing) == (False, False, False)
     assert (o.gate_form, o.bwd_chunk_form) == ("", "")
 

@@ -227,13 +227,12 @@ class CudaBackend:
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
-        chain is walked in pieces (backward.replay_walks_pipelined(pieced=True); Options.cp_replay_pieces off:
-        not): bitwise the same."""
+        chain is walked in pieces (backward.replay_walks_pipelined(pieced=True)): bitwise one walk."""
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return kda_backward.replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu,
                                                    scale, do.to(torch.bfloat16).contiguous(),
                                                    dfinals.to(torch.float32).contiguous(), tuple(skip_bwd),
-                                                   pieced=options.current().cp_replay_pieces)
+                                                   pieced=True)
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
