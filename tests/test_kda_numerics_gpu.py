@@ -24,7 +24,8 @@ pytestmark = gpu
 REL = 1e-2
 BOUND = {"dbeta": 5e-2}  # heavy-tailed where its terms cancel (tests/test_kda_bwd_gpu.py)
 LENS = [1, 63, 64, 65, 1000, 37]
-GATES = ["const-12", "const-30", "const-10000", "unif-20", "unif-60", "ninf", "zero", "unif-5", "const-8"]
+GATES = ["const-12", "const-30", "const-10000", "unif-20", "unif-60", "ninf", "zero", "unif-5", "const-8", "unif-0.5",
+         "unif-0.05"]
 BELOW_FLOOR = ("const-30", "const-10000")  # every g below the floor: dg's relative error unbounded
 
 

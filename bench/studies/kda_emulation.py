@@ -721,6 +721,7 @@ def main(argv=None):
     ap.add_argument("--beta-max", type=float, default=1.0)
     ap.add_argument("--init", action="store_true", help="with an initial state")
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--range", action="store_true", help="also the min and max over seeds (for test bounds)")
     ap.add_argument("--arms", default="attribution",
                     help="attribution | comma list of shipped, fixed, fla, all-fp32, or knob overrides "
                          "[base:]knob=value+knob=value (base: shipped or fixed)")
@@ -769,6 +770,9 @@ def main(argv=None):
         for name, _ in arms:
             e = {o: sum(v) / len(v) for o, v in sums[name].items()}
             print(f"{name:{width}s} {fmt(e)}", flush=True)
+            if a.range:
+                for label, pick in (("min", min), ("max", max)):
+                    print(f"{'  ' + label:{width}s} {fmt({o: pick(v) for o, v in sums[name].items()})}", flush=True)
 
 
 if __name__ == "__main__":
