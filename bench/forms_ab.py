@@ -2,7 +2,7 @@
   bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: prefetch (shipped), default) timing chunk_kda_bwd_chunk;
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
          (default) and one after the other (Options.replay_overlap off);
-  gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full, full_staged, split) timing the whole chunk_kda_bwd;
+  gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
          walks' SMs) and in the plain order;

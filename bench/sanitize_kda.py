@@ -60,7 +60,7 @@ runs = {
                                                   output_final_state=True, save_tape=True, walk_form="quarter"),
     "kda_bwd_walk/quarter": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="quarter"),
 }
-for form in ("full", "full_staged", "split"):
+for form in ("full",):
     runs[f"kda_bwd_gate/{form}"] = lambda form=form: chunk_kda_bwd(saved, do, dht, gate_form=form)
 for form in ("default",):
     runs[f"kda_bwd_chunk/{form}"] = lambda form=form: chunk_kda_bwd_chunk(saved, do, dtape, form=form)

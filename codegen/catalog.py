@@ -215,9 +215,8 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
                   "bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
            shipped=False),
-    # The gated half: four forms from one template, measured against each other (bench/forms_ab.py gate,
-    # 2026-11-30, Q1 H = 32, whole chunk_kda_bwd: full 64.2 ms, full_staged 63.5, split 50.4,
-    # split_staged 45.6): two CTAs per SM with the bf16 inputs in shared memory ship.
+    # The gated half: two CTAs per SM with the bf16 inputs in shared memory ship (the four forms measured:
+    # docs/backward.md); one CTA over all channels stays as the check of the channel split.
     Record(program="kda_bwd_gate", form="split_staged",
            params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
            select="always (the gated half of the chunk-parallel backward): two CTAs per (chunk, head) over 64 "
@@ -225,19 +224,10 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
                 "32 channels w / 4)"),
     Record(program="kda_bwd_gate", form="full", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": False},
-           select="tests and benchmarks only: one CTA per (chunk, head) over all 128 channels (255 registers, "
-                  "one per SM); dq, dk, dg bitwise equal to split_staged, dbeta summed in another order",
+           select="tests only: one CTA per (chunk, head) over all 128 channels (255 registers, one per SM), the "
+                  "check of split_staged's channel split (test_kda_bwd_gpu.py::test_gate_forms_match_shipped: dq, "
+                  "dk, dg bitwise equal; dbeta summed in another order)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
-           shipped=False),
-    Record(program="kda_bwd_gate", form="full_staged", params={"threads": 256, "columns": 128, "min_blocks": 1, "staged": True},
-           select="tests and benchmarks only: `full` with dQg, dRk, dKg staged in shared memory; bitwise equal to `full`",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., channel half w / 4)",
-           shipped=False),
-    Record(program="kda_bwd_gate", form="split", params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": False},
-           select="tests and benchmarks only: `split_staged` reading its bf16 inputs from global memory in the "
-                  "elementwise phases; bitwise equal to it",
-           grid="(n_chunks, H, 2) CTAs of 256 threads over 64 channels each; warp w = (rows 16 (w % 4) .., "
-                "32 channels w / 4)",
            shipped=False),
     Record(program="kcp_transfer", form="full", params={"threads": 256},
            select="always (context parallelism: M of each fragment)",

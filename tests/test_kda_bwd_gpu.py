@@ -193,12 +193,12 @@ def test_replay_keeps_no_per_chunk_tensors():
     assert kept <= o.numel() * o.element_size() + ht.numel() * ht.element_size() + (1 << 20), kept
 
 
-@pytest.mark.parametrize("form", ["full", "full_staged", "split"])
-def test_gate_forms_match_shipped(form):
-    """Every test-only kda_bwd_gate form against the shipped split_staged: dq, dk, dv, dg and dh0
-    bitwise equal (the same operands in the same mma chains and the same _rn elementwise sequence);
-    dbeta bitwise equal between forms of the same width, and within fp32 rounding between widths (two
-    channel halves summed in Python vs one in-kernel sum)."""
+def test_gate_forms_match_shipped():
+    """The test-only kda_bwd_gate/full (one CTA over all 128 channels) against the shipped split_staged (two
+    over 64 each): dq, dk, dv, dg and dh0 bitwise equal (the same operands in the same mma chains and the
+    same _rn elementwise sequence); dbeta within fp32 rounding (two channel halves summed in Python vs one
+    in-kernel sum)."""
+    form = "full"
     require_form("kda_bwd_gate", form)
     lens, H = PACKS["edges"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("gate-forms", form)), True)
@@ -209,14 +209,7 @@ def test_gate_forms_match_shipped(form):
     for name, x, y in zip(("dq", "dk", "dv", "dg"), a[:4], b[:4]):
         assert torch.equal(x, y), name
     assert torch.equal(a[5], b[5])
-    if form == "split":
-        assert torch.equal(a[4], b[4])
-    else:
-        assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
-    if form == "full_staged":
-        c = chunk_kda_bwd(saved, dout, gate_form="full")
-        for x, y in zip(b, c):
-            assert torch.equal(x, y)
+    assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
 
 
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))

@@ -165,7 +165,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
 # test-only records measured against it (bench/forms_ab.py).
 CHUNK_FORM = "lean"                                    # kda_fwd_chunk (lean_prof: bench/chunk_profile.py)
 BWD_CHUNK_FORMS = ("prefetch", "default")            # kda_bwd_chunk
-GATE_FORMS = ("split_staged", "full", "full_staged", "split")  # kda_bwd_gate
+GATE_FORMS = ("split_staged", "full")  # kda_bwd_gate
 
 
 def _pick_form(what: str, form, forms: tuple) -> str:
