@@ -125,3 +125,45 @@ def test_explain_command_refuses_what_chunk_kda_would(args, message):
     run = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", *args], cwd=root,
                          capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "doc_zigzag"])
+@pytest.mark.parametrize("pack", ["Q1", "Q2", "Q3", "Q4", "Q5", "Q6"])
+def test_cp_rank_plans_of_every_layout(pack, layout, world):
+    """Each CP rank's plans as the CP forward and replay build them (kda_aot.cp.collective: the fragments
+    that others wait for first, those that need an entering state deferred, the middle ones summarised):
+    every chunk's chunk stage once, the exchange after the senders' walks, every deferred segment walked
+    after it once, the replay's pieces each walked once a direction after its chunk stage."""
+    import math
+    from bench.packs import PACKS
+    from kda_aot.cp.plan import make_plan
+    cu = [0]
+    for n in PACKS[pack]:
+        cu.append(cu[-1] + n)
+    for rank in range(world):
+        local = make_plan(cu, layout, world_size=world, rank=rank).local_fragments
+        if not local:
+            continue
+        assert [f.segment for f in local] == list(range(len(local)))
+        chains = tuple(math.ceil(f.length / 64) for f in local)
+        deferred = tuple(f.segment for f in local if f.needs_state)
+        senders = tuple(f.segment for f in local if not f.needs_state and not f.is_last)
+        middle = tuple(f.segment for f in local if f.needs_state and not f.is_last)
+        plan = forward_plan(chains, 32, 132, first=senders, deferred=deferred, cp=True, summarised=middle)
+        covered(plan)
+        node = plan.exchange
+        assert node.after_walks == plan.groups_of(senders)
+        walked_after = [s for a, b in node.deferred_runs for s in range(a, b)]
+        assert walked_after == sorted(deferred)
+        if plan.pieces is not None:  # never a deferred segment: it waits for the exchange
+            a, b = plan.groups[plan.pieces.group]
+            assert not set(range(a, b)) & set(deferred)
+        replay = replay_plan(chains, 32, 132, pieced=True)
+        covered(replay)
+        if replay.pieces is not None:
+            n = len(replay.pieces.bounds) - 1
+            assert sorted(r for f, _ in replay.pieces.walks for r in f) == list(range(n))
+            assert sorted(r for _, b in replay.pieces.walks for r in b) == list(range(n))
+            for step, (f, b) in enumerate(replay.pieces.walks):
+                assert set(f) | set(b) <= set(replay.pieces.order[:step + 1])
