@@ -37,8 +37,8 @@ def commit() -> str:
 
 def round_order(names, round_index: int) -> list:
     """The arms' order in interleaved round `round_index`: as given in even rounds, reversed in odd
-    ones, so that no arm always follows the same other arm (session 6: one CP row was 5 % slower in
-    one order and 1.9 % faster in the other)."""
+    ones, so that no arm always follows the same other arm: an arm's place in the order can move a row
+    by a few percent either way (docs/method.md)."""
     names = list(names)
     return names if round_index % 2 == 0 else names[::-1]
 

@@ -3,8 +3,8 @@
 # bench/chunk_profile.py), bench/walk_profile.py (cycles per phase of a walk step; PROFILE= skips),
 # kernel timelines (TIMELINE=pack: bench/timeline_kda.py, forward and replay step), the forward and
 # backward GPU tests (FWD_TESTS=1, TESTS_ARGS to choose files), the chunk-form A/B (CHUNK_AB=packs),
-# the walk step sweep (SWEEP=1) and the rho measurement (RHO=1: bench/measure_rho.py, writes
-# kda_aot/fit_params.json, copied to $OUT). Logs under $OUT.
+# the walk step sweep (SWEEP=1) and the rho measurement (RHO=1: bench/measure_rho.py, writes the GPU's
+# table kda_aot/schedule/fit_params/<gpu>.json, e.g. nvidia_h200.json, copied to $OUT). Logs under $OUT.
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
@@ -39,5 +39,5 @@ if [ -n "${SWEEP-}" ]; then
 fi
 if [ -n "${RHO-}" ]; then
   timeout ${RHO_S:-200} python3 bench/measure_rho.py > "$OUT/measure_rho.log" 2>&1; stamp "rho"
-  cat "$OUT/measure_rho.log"; cp kda_aot/fit_params.json "$OUT/"
+  cat "$OUT/measure_rho.log"; cp kda_aot/schedule/fit_params/*.json "$OUT/"
 fi

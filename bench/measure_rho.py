@@ -1,13 +1,13 @@
 """Measure the fit rule's step costs (kda_aot/schedule/fit.py) on this GPU and write its table,
 kda_aot/schedule/fit_params/<gpu>.json (the pipeline's costs there are kept)
-(or --out). The quarter form (test-only), when built, is timed alone too (rho_quarter_alone, chains =
-SM / 4) and in the table.
+(or --out). The quarter form (shipped, like split: codegen/catalog.py, build.json) is timed alone too
+(rho_quarter_alone, chains = SM / 4) and in the table.
 
 For each walk (kda_fwd_walk, kda_bwd_walk): rho = time of the split walk (two CTAs of 64 value
 columns per chain) / time of the full walk (one CTA of 128 columns per chain) with chains = SM
 count (two split CTAs share every SM), and rho_alone = the same ratio with chains = SM / 2 (one
 split CTA per SM). Equal chain lengths, the walk kernel alone (CUDA events around the launch,
-medians, random inputs). Needs the split records built (KDA_AOT_TEST_RECORDS=1). Also prints the
+medians, random inputs). The shipped records are enough (split and quarter ship). Also prints the
 per-walk table of issue 5 (full vs split over chain counts) with --table.
 """
 import argparse
@@ -58,7 +58,7 @@ def walk_times(docs, heads, chunks_per_chain):
 
 
 def forms_built():
-    """full and split, and quarter (test-only, issue 5's third record) when built for both walks."""
+    """full and split, and quarter when built for both walks (a build limited by KDA_AOT_PROGRAMS may lack it)."""
     quarter = all(registry.built_forms(p, ("quarter",)) for p in WALKS)
     return ("full", "split", "quarter") if quarter else ("full", "split")
 
@@ -85,7 +85,7 @@ def main():
                     "sm_count": sms, "date": datetime.date.today().isoformat(), "chunks_per_chain": args.chunks,
                     "full_ms": round(shared[(p, "full")], 4), "split_ms": round(shared[(p, "split")], 4),
                     "full_alone_ms": round(alone[(p, "full")], 4), "split_alone_ms": round(alone[(p, "split")], 4)}
-    if "quarter" in forms_built():  # one quarter CTA per SM: chains = SM / 4 (not in the fit rule yet)
+    if "quarter" in forms_built():  # one quarter CTA per SM: chains = SM / 4
         quarter = walk_times(max(1, sms // (4 * heads)), heads, args.chunks)
         for p in WALKS:
             r = quarter[(p, "quarter")] / quarter[(p, "full")]

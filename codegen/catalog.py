@@ -109,8 +109,7 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
                    "reduce_threads": 256, "l2norm": False},
            select="the conv alone (v; q and k without the norm)", grid=_BWD_GRID),
     # The per-head L2 norm of q and k fused into their conv (PackedKDA, CUDA backend, head dim 128): saves
-    # the norm's own pass over each tensor both ways (l2norm 0.53 ms forward and 0.78 ms backward
-    # per tensor on CP2 Q1's 125 k tokens x 4,096 channels). l2norm_eps = kda_aot.ops.norm.L2NORM_EPS (tested).
+    # the norm's own pass over each tensor both ways (docs/conv.md). l2norm_eps = kda_aot.ops.norm.L2NORM_EPS (tested).
     Record(program=_FWD, form="l2norm",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
                    "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 8},
@@ -153,19 +152,15 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "profile": True},
            select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
            grid="as lean", shipped=False),
-    # Walk forms (issue 5), measured on the H200 (bench/measure_rho.py, 2026-11-30, 256-chunk chains):
-    # quarter over full 2.0-2.5x with at most SM/4 chains (rho_quarter_alone 0.40 fwd, 0.47 bwd): it ships too.
-    # split over full is 1.45-1.75x faster with at most SM/2 chains (rho_alone 0.62 fwd, 0.69 bwd) and
-    # 15 % slower with two split CTAs per SM (rho 1.15, 1.16): both ship, the fit rule (kda_aot/schedule/fit.py
-    # and its per-GPU table) picks per launch.
-    # the forward walk's products on wgmma (S, V' read from shared memory once per warpgroup)
-    # and O out through shared memory in whole rows (forms_ab.py walkmma then, Q1 / Q2 / Q6, H = 32):
-    # full-form walk 8.65 -> 7.70, 12.62 -> 11.40, 17.05 -> 15.40 ms (the mma.sync walks retired).
-    # (forms_ab.py walkmma, retired with the test-only kinds): the full form with the warpgroups splitting every product by
-    # value-column halves 7.46 -> 6.79, 11.11 -> 10.06, 14.62 -> 13.27 ms (forward Q1 15.07 -> 14.85);
-    # the split form so was serialized by ptxas (registers at two CTAs per SM) and slower (Q6 forward
-    # 19.10 -> 19.63), so split and quarter keep the warpgroup roles. Every form of either kind computes
-    # every element bitwise the same (docs/forward.md; the forms tests check it).
+    # Walk forms (issue 5): with few chains, quarter (at most SM/4) and split (at most SM/2) walk a chain
+    # faster than full; with two split CTAs per SM split is slower. All three ship and the fit rule
+    # (kda_aot/schedule/fit.py and its per-GPU table, measured by bench/measure_rho.py) picks per launch:
+    # docs/fit_rule.md.
+    # The forward walk's products run on wgmma (S, V' read from shared memory once per warpgroup), O leaves
+    # through shared memory in whole rows, and `full` splits every product between its warpgroups by
+    # value-column halves; split and quarter keep the warpgroup roles, because ptxas serializes the
+    # column-halves form at two CTAs per SM (registers). Why each pays: docs/forward.md. Every form of
+    # either kind computes every element bitwise the same (the forms tests check it).
     Record(program="kda_fwd_walk", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "vsplit": True, "profile": False},
            select="the fit rule (kda_aot/schedule/fit.py): many chains (more than SM/2 for equal lengths)",
@@ -187,10 +182,9 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            grid="as full", shipped=False),
     # The backward walk: full on wgmma (dS, dO, -dV' read from shared memory once per
     # warpgroup; warpgroup g forms dV' for column half g and updates dS rows 64 g ..; the previous
-    # chunk's tiles issued during the products): forms_ab.py walkmma then, the walk alone 9.07 -> 7.95
-    # (Q1), 13.33 -> 11.19 (Q2), 17.90 -> 15.10 ms (Q6). Its split form spilled at two CTAs per SM and
-    # the steps that pick split (Q2, Q6) ran 3 % slower with it: split and quarter stay on mma.sync.
-    # Bitwise equal across the kinds (docs/backward.md; the forms tests check it).
+    # chunk's tiles issued during the products), faster than on mma.sync. A wgmma split form spills at
+    # two CTAs per SM and slows the steps that pick split: split and quarter stay on mma.sync
+    # (docs/backward.md). Bitwise equal across the kinds (the forms tests check it).
     Record(program="kda_bwd_walk", form="full", params={"threads": 256, "columns": 128, "stages": 2, "min_blocks": 1,
                                                         "wgmma": True},
            select="the fit rule (kda_aot/schedule/fit.py): many chains (more than SM/2 for equal lengths)",
@@ -204,8 +198,8 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            select="the fit rule (kda_aot/schedule/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
-    # Measured against each other (bench/forms_ab.py bwd, 2026-11-30, Q1 H = 32): default 19.34 ms,
-    # prefetch 15.40; prefetch is bitwise equal to default (GPU tests), so it ships.
+    # prefetch is faster than default (bench/forms_ab.py bwd: docs/backward.md) and bitwise equal to it
+    # (GPU tests), so it ships.
     Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
            select="always (the plain-product half of the chunk-parallel backward): the fp32 state tapes read "
                   "eight rows per warp at a time, loads issued before use",
@@ -215,8 +209,9 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
                   "bitwise against it",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
            shipped=False),
-    # The gated half: two CTAs per SM with the bf16 inputs in shared memory ship (the four forms measured:
-    # docs/backward.md); one CTA over all channels stays as the check of the channel split.
+    # The gated half: two CTAs per SM with the bf16 inputs in shared memory ship, as the latency-bound gate
+    # gains most from both (the four forms measured: docs/backward.md); one CTA over all channels stays as
+    # the check of the channel split.
     Record(program="kda_bwd_gate", form="split_staged",
            params={"threads": 256, "columns": 64, "min_blocks": 2, "staged": True},
            select="always (the gated half of the chunk-parallel backward): two CTAs per (chunk, head) over 64 "

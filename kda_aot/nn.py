@@ -179,7 +179,7 @@ class PackedKDA(nn.Module):
             convs = cp_conv if isinstance(cp_conv, list) else [cp_conv] * 3
             out = _conv_cp([q, k, v], weights, biases, plan, group, convs, op, kda)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
-        if self.qk_l2norm and not fused:  # else normalised in the conv's pass (PyTorch's took ~60 ms of B3 on Q1)
+        if self.qk_l2norm and not fused:  # else normalised in the conv's pass, saving the norm's own (docs/conv.md)
             qc, kc = l2norm_torch(qc), l2norm_torch(kc)
         return qc, kc, vc
 
@@ -225,9 +225,8 @@ class PackedKDA(nn.Module):
 
     def _forward_cp(self, q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backend):
         """Under CP: ONE agreement check for the whole call (the conv's facts and KDA's; each check is
-        a host sync, and the GPU idles while the host launches what follows one: the CP2
-        timeline lost ~6 ms of Q1's 10.6 ms conv + norm prelude to four of them), posted first and read
-        once the conv's local work is queued, then the conv with its halos and chunk_kda_cp."""
+        a host sync, and the GPU idles while the host launches what follows one: docs/cp.md), posted
+        first and read once the conv's local work is queued, then the conv with its halos and chunk_kda_cp."""
         H, Dh, T = self.num_heads, self.head_dim, q.shape[1]
         name = backend
         if name == "cuda":

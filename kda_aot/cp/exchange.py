@@ -80,8 +80,7 @@ class Agreement:
     """A posted agreement check (post_agreement): the fingerprints' all_gather is queued; wait() reads
     it. In between the caller may queue LOCAL work only (no collective; nothing that a bad local
     argument makes unsafe): the GPU runs it while the host would otherwise sit in a sync and then
-    launch it into an idle GPU - the CP2 timeline had 1.85 ms of such idle before the first
-    conv of every step."""
+    launch it into an idle GPU before the first conv of every step (docs/cp.md)."""
 
     def __init__(self, op, group, rank, world, device, local_error, described, table, ready):
         self.op, self.group, self.rank, self.world, self.device = op, group, rank, world, device
@@ -98,7 +97,7 @@ class Agreement:
         (the message names the ranks and what differs). Returns (group, rank, world size)."""
         if self._ready is not None:
             self._ready.synchronize()  # the gather and its copy only, not the work queued after them
-        rows, world = self._table.tolist(), self.world  # plain ints: the torch ops took ~40 us of the host
+        rows, world = self._table.tolist(), self.world  # plain ints: torch ops on a CPU tensor cost host time here (docs/cp.md)
         if any(r[0] for r in rows) or any(r[1:] != rows[0][1:] for r in rows):
             # Every rank sees the same table, so every rank takes this branch: the reports' gather
             # below cannot hang.

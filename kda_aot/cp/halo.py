@@ -12,9 +12,8 @@ tail tokens to their gradient.
 
 conv1d_silu_cp convolves several tensors (q, k and v of a layer) with one all_gather each way, and
 its backward adds the returned halo gradients into the conv's own input gradient in place, on the
-few tail rows (fp32, in table order: deterministic) - the CP2 timeline had a full-size
-zero fill and a full-size sum per tensor there (1 ms each on Q1) when the halo was its own
-autograd node.
+few tail rows (fp32, in table order: deterministic): a halo as its own autograd node costs a
+full-size zero fill and a full-size sum per tensor (docs/cp.md).
 """
 from __future__ import annotations
 

@@ -305,17 +305,16 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
                             gate=None):
     """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
     walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
-    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (Pipelining the
-    chunk-parallel backward behind the walks too measured no gain: the replay step is
-    bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
+    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (The chunk-parallel
+    backward is not pipelined behind the walks: the replay step is bound by the sum of its kernels'
+    SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
     pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),
     first and last piece first, then the second and the last but one, ...: its forward walk goes
     through the pieces from the front, its backward walk from the back, each piece from its neighbour's
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
-    chunk stage instead of the whole chain's (CP2 Q1 contiguous: rank 0's 1,584-chunk
-    document's chunk stage ran 3.7 ms alone before its two 7 ms walks)."""
+    chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md)."""
     prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate)
     _check_dout(do, q)
     do = do.contiguous()  # once, not per group

@@ -11,8 +11,8 @@ makespan (ties keep `full`).
 The chains are scheduled in the order the GPU takes them: the block scheduler hands out a launch's
 CTAs in blockIdx order (segment fastest, then head, then column group) to whichever slot frees
 first; it does not sort them longest first. The two orders agree while every chain gets a slot at
-once; they part when chains queue: on Q1 at H = 32 a longest-first model predicted a mixed plan
-23 % faster than full, the H200 ran it 8 % slower (docs/fit_rule.md), and launch order predicts it.
+once; they part when chains queue, and then only launch order predicts what the GPU runs
+(docs/fit_rule.md, "Tried and did not pay").
 
 A launch may also mix the forms: the k longest documents split (each split CTA alone on its SM,
 `rho_alone`), the others full on the SMs left over. The walk then runs as one launch per run of
@@ -135,8 +135,8 @@ def pipeline_params() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def measured_rho() -> dict:
-    """{program: (rho, rho_alone, rho_quarter_alone or None)} from fit_params.json (empty until
-    measured; rho_alone = rho when a measurement predates it; quarter only where it ships)."""
+    """{program: (rho, rho_alone, rho_quarter_alone or None)} from the GPU's fit_params table (empty
+    until measured; rho_alone = rho when an entry lacks it; quarter only where it ships)."""
     progs = _params(params_file())
     return {p: (float(v["rho"]), float(v.get("rho_alone", v["rho"])),
                 float(v["rho_quarter_alone"]) if p in QUARTER_SHIPPED and "rho_quarter_alone" in v else None)
@@ -247,8 +247,8 @@ def plan_pipeline(chain_lengths, first: tuple = ()) -> tuple:
 # The forward cuts the last group's segment (when it is one) into this many pieces of chunks: its
 # walk then starts once the first piece's chunk stage is done instead of the whole group's, and the
 # walk that runs alone at the end shrinks to about the last piece's chunk stage plus what is left of
-# the walk (Q1, H = 32, bench/timeline_kda.py: the last group's chunk stage 2.1 ms, then
-# its walk alone 1.9 ms on 32 of 132 SMs).
+# the walk: unpieced, that walk runs alone on a few SMs after the whole group's chunk stage
+# (docs/forward.md, "The pipeline").
 LAST_GROUP_PIECES = 4
 MIN_PIECE_CHUNKS = 8
 
@@ -274,13 +274,11 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     """(group, chunk bounds) of the group the pipelined forward cuts in pieces (plan_pipeline(chain_lengths,
     first)'s index), or None. One GPU: the last group (last_group_pieces). Context parallelism (cp): the
     one-segment group of the longest chain that is not deferred - the rank's critical walk there, as a
-    CP rank holds half the tokens but whole long documents (CP2 Q1 contiguous: rank 1's
-    1,216-chunk document waited 2.77 ms for its whole chunk stage, then walked 5.24 ms); its first piece
-    launches ahead of everything (kda._pipelined). A sent chain (first) too, also when it is the rank's
-    only one (CP2 Q2 / Q6 contiguous rank 0 holds one 1,769 / 1,952-chunk sent fragment, whose
-    whole chunk stage ran before its walk while rank 1 waited 3.3 / 4.1 ms at the exchange; the CP
-    replay, which sends nothing, then pieces a rank's only chain too) - with Options.cp_piece_senders,
-    off until measured on two GPUs."""
+    CP rank holds half the tokens but whole long documents, whose walk would otherwise wait for their
+    whole chunk stage (docs/cp.md); its first piece launches ahead of everything (kda._pipelined). A
+    sent chain (first) too, also when it is the rank's only one, so that the other rank does not wait
+    at the exchange for that chain's whole chunk stage (the CP replay, which sends nothing, then pieces
+    a rank's only chain too) - with Options.cp_piece_senders, off until measured on two GPUs."""
     lengths = [int(n) for n in chain_lengths]
     groups = plan_pipeline(lengths, first)
     if not cp:
@@ -300,10 +298,9 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
 
 # The CP forward cuts the rank's critical chain into this many pieces, and launches the senders'
 # chunk stage after the first half of them: the walk trails the chunk stage by (walk - chunk stage)
-# per piece (CP2 Q1 contiguous rank 0: 1.73 against 1.2 ms per quarter of its 1,584-chunk
-# document), so by then it has slack for the senders' chunk stage (1.11 ms there) instead of stalling
-# for it (0.76 ms right after the first quarter); the other rank still gets the senders' exit states
-# before its own walks are done. Smaller pieces also start the walk sooner (the first piece's chunk
+# per piece, so by then it has slack for the senders' chunk stage instead of stalling for it (as it
+# does right after the first piece); the other rank still gets the senders' exit states before its
+# own walks are done (docs/cp.md). Smaller pieces also start the walk sooner (the first piece's chunk
 # stage runs alone).
 CP_PIECES = 8
 
@@ -319,7 +316,7 @@ def lead_pieces(pieces: int) -> int:
 
 
 def walk_step_us(program: str, alone: bool = True) -> float | None:
-    """A full-form step of the walk, in microseconds (fit_params.json), or None: alone on the GPU, or
+    """A full-form step of the walk, in microseconds (the GPU's fit_params table), or None: alone on the GPU, or
     (alone=False) beside other CTAs on the SMs, as an earlier group's walk runs beside the chunk stage."""
     entry = _params(params_file()).get(program)
     if entry is None:
@@ -336,19 +333,18 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     stays the critical path even planned on every SM with the rest of the chunk stage slowed beside
     it (pipeline_params' chunk_stage_slowdown_beside_walk[walks_beside]; walks_beside = 2 in the replay, whose two
     walks run at once):
-    then it gets them all. Measured (forms_ab.py pipeline): Q6's long document (3,125
-    chunks, 20 % of the chunk stage after it) forward 28.25 -> 23.29 ms on every SM; Q1's groups all
-    on every SM 20.30 -> 23.44 ms (its walks start with 60, 28 and 12 % of the stage still to run:
-    this rule keeps them restricted). The last group's walk runs after the chunk stage and gets
+    then it gets them all: a long walk with little chunk stage left after it gains every SM, while
+    walks that start with much of the stage still to run would starve it (docs/fit_rule.md, "The
+    pipeline rule, measured"). The last group's walk runs after the chunk stage and gets
     every SM - unless the forward cuts it in pieces (last_group_pieces) and every earlier walk is
     restricted: then its pieces' walks run beside those walks and the later pieces' chunk stage, and
-    get one SM per chain too (forward: Q1 13.98 -> 13.86 ms, Q5 14.70 -> 14.30; Q6, whose
-    first walk takes every SM, ran 18.50 -> 19.13 so, and keeps every SM). pieced: the group is the
+    get one SM per chain too; when an earlier walk took every SM, the last one on every SM pays
+    (docs/fit_rule.md). pieced: the group is the
     one pieced_group cuts (context parallelism), treated as such a last group - a CP rank's only chain
     included, whose pieces' walks would otherwise take every SM from the chunk stage of the
     pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two). In the
     replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are predicted not
-    to hold still when they start (_held_by_earlier_walks; Q2: 34 of 66)."""
+    to hold still when they start (_held_by_earlier_walks)."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
@@ -356,7 +352,7 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
         if walks_beside == 1 and (pieced or last_group_pieces(chain_lengths, first) is not None) and all(
                 pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first) < sms for g in range(group)):
             return restricted
-        if walks_beside == 1:  # measured: the forward's last walk on every SM pays (Q6: 18.50 against 19.13 ms)
+        if walks_beside == 1:  # an earlier walk holds SMs: the last walk on every SM pays (docs/fit_rule.md)
             return sms
         return max(restricted, sms - _held_by_earlier_walks(program, chain_lengths, heads, sms, walks_beside, first))
     step, costs = walk_step_us(program), pipeline_params()
@@ -374,11 +370,10 @@ def _held_by_earlier_walks(program: str, chain_lengths: tuple, heads: int, sms: 
     """The SMs that earlier groups' walks are predicted to hold still when the last group's chunk stage
     ends and its walks start (the replay: two walks at once, each planned on half the SMs): those walks
     get the others. A long earlier chain is then the critical path,
-    and a last walk planned on every SM (split or quarter CTAs) only crowds it (Q2 replay: its
-    1,193-chunk last document split beside the 2,344-chunk first one's walks, 70.80 against 66.86 ms
-    with both full). Times from pipeline_params: the chunk stage, slowed beside the walks after the
-    first group, and each walk's predicted makespan on its SMs at the step it takes beside other CTAs.
-    Measured with it: every pack's replay within 2 % of both walks full, or faster."""
+    and a last walk planned on every SM (split or quarter CTAs) only crowds it (docs/fit_rule.md,
+    "The replay's last walks"). Times from pipeline_params: the chunk stage, slowed beside the walks
+    after the first group, and each walk's predicted makespan on its SMs at the step it takes beside
+    other CTAs."""
     step, costs = walk_step_us(program, alone=False), pipeline_params()
     if step is None or not costs or program not in measured_rho():
         return 0
@@ -419,8 +414,8 @@ def rewalk_beside(chain_lengths: tuple, rewalk: tuple, heads: int, sms: int) -> 
 # compositions (two [H, 128, 128] products per extra piece) stay small beside the walks.
 MAX_SUMMARY_PIECES = 8
 MIN_SUMMARY_PIECE = 32
-# An extra piece costs its fragment two batched fp32 products and their launches (~20 us), about
-# three walk steps: more pieces must pay for themselves.
+# An extra piece costs its fragment two batched fp32 products and their launches, counted as walk
+# steps (docs/cp.md): more pieces must pay for themselves.
 COMPOSE_STEPS_PER_PIECE = 3.0
 
 

@@ -23,7 +23,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ float floored_gate(float g) { return g < -kGateFloor ? -kGateFloor : g; }
 
 // The gate's activation of one (head, channel), in hardware ex2 / lg2 / div.approx (libm's expf and log1pf
-// cost ~2.5 ms a pass over a Q1 pack's 1e9 gate values): every operation an approx op or an _rn intrinsic, so
+// are slower over a pack's every gate value: docs/forward.md): every operation an approx op or an _rn intrinsic, so
 // that the programs that form it (kda_fwd_chunk, kda_bwd_gate) get the same bits. Errors: sigmoid 1-3e-7
 // absolute; softplus ~1e-7 absolute for small z, about an ulp of itself above z ~ 2 (both against fp64):
 // far under the bf16 operands' 4e-3.

@@ -95,7 +95,7 @@ struct KdaBwdArgs {
   uint16_t* dv;                  // [T, H, 128] bf16  beta * dRv
   uint16_t* drk;                 // [T, H, 128] bf16  dRk = (I + L)^-T dW,  dW = -dV' S^T
   uint16_t* dqg;                 // [T, H, 128] bf16  scale dO S^T
-  float* dkg;                    // [T, H, 128] fp32  V' dS_end^T (fp32: in bf16 its rounding was dk's and dg's
+  float* dkg;                    // [T, H, 128] fp32  V' dS_end^T (fp32: in bf16 its rounding would be dk's and dg's
                                  //                    largest error at strong decay, bench/studies/kda_emulation.py)
   uint16_t* daqk;                // [T, H, 64]  bf16  scale tril(dO V'^T)   (bf16: the gated products' operand,
   uint16_t* dakk;                // [T, H, 64]  bf16  -tril_strict(dRk W^T + dRv U^T)  rounded once, here)
