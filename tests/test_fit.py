@@ -333,3 +333,17 @@ def test_the_gate_floor_is_the_kernels():
     from kda_aot.schedule.kda import GATE_FLOOR
     text = (ROOT / "templates" / "common" / "kda.h").read_text()
     assert float(re.search(r"constexpr float kGateFloor = ([0-9.]+)f;", text).group(1)) == -GATE_FLOOR
+
+
+def test_summary_pieces_cost_comes_from_the_gpu_table(monkeypatch, tmp_path):
+    """The cost of an extra summary piece is the GPU table's pipeline.compose_steps_per_piece: a costly
+    composition keeps a fragment whole, a free one cuts it as far as the SMs allow."""
+    assert fit.compose_steps_per_piece() == 3.0            # the H200 table (without a GPU the fit rule reads it too)
+    for cost, want in ((1e6, (1,)), (0.0, None)):
+        params = tmp_path / f"fit_params_{cost}.json"
+        params.write_text(f'{{"programs": {{}}, "pipeline": {{"compose_steps_per_piece": {cost}}}}}')
+        monkeypatch.setattr(fit, "PARAMS_FILE", params)
+        fit.summary_pieces.cache_clear()
+        got = fit.summary_pieces((1953,), 32, 132)
+        assert got == want if want else got[0] >= 4, (cost, got)
+    fit.summary_pieces.cache_clear()

@@ -415,8 +415,14 @@ def rewalk_beside(chain_lengths: tuple, rewalk: tuple, heads: int, sms: int) -> 
 MAX_SUMMARY_PIECES = 8
 MIN_SUMMARY_PIECE = 32
 # An extra piece costs its fragment two batched fp32 products and their launches, counted as walk
-# steps (docs/cp.md): more pieces must pay for themselves.
-COMPOSE_STEPS_PER_PIECE = 3.0
+# steps (the GPU's table: pipeline.compose_steps_per_piece; docs/cp.md): more pieces must pay for themselves.
+# A GPU without a table takes this default.
+DEFAULT_COMPOSE_STEPS_PER_PIECE = 3.0
+
+
+def compose_steps_per_piece() -> float:
+    return float(_table(params_file()).get("pipeline", {}).get("compose_steps_per_piece",
+                                                              DEFAULT_COMPOSE_STEPS_PER_PIECE))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -430,13 +436,13 @@ def summary_pieces(chain_lengths: tuple, heads: int, sms: int) -> tuple:
     lengths = [int(n) for n in chain_lengths]
     if not lengths or max(lengths) <= MIN_SUMMARY_PIECE:
         return tuple(1 for _ in lengths)
-    best, best_span = None, None
+    best, best_span, compose = None, None, compose_steps_per_piece()
     for p in range(1, MAX_SUMMARY_PIECES + 1):
         piece = max(MIN_SUMMARY_PIECE, -(-max(lengths) // p))
         counts = tuple(max(1, -(-n // piece)) for n in lengths)
         chains = [float(len_) for n, c in zip(lengths, counts) for len_ in piece_lengths(n, c)]
         span = (makespan([x for _ in range(heads) for x in chains], sms)
-                + COMPOSE_STEPS_PER_PIECE * (sum(counts) - len(lengths)))
+                + compose * (sum(counts) - len(lengths)))
         if best_span is None or span < best_span:
             best, best_span = counts, span
     return best
