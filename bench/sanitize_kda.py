@@ -41,14 +41,10 @@ for gate in (GateActivation(GATE_SOFTPLUS, torch.randn(H, device="cuda") + 1, to
              GateActivation(GATE_SIGMOID, None, torch.randn(H, 128, device="cuda"), -3.0),
              GateActivation(GATE_SIGMOID, torch.randn(H, device="cuda"), torch.randn(H, 128, device="cuda"), -3.0)):
     for form in ("full", "split"):
-        _, _, gated = chunk_kda_fwd(q, k, v, raw, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                                    save_tape=True, walk_form=form, gate=gate)
-        chunk_kda_bwd(gated, do, dht, gate_form="full" if form == "full" else None)
-# the raw gate in bf16, read as it is (dg written in bf16)
-for form in ("full", "split"):
-    _, _, gated = chunk_kda_fwd(q, k, v, raw.to(torch.bfloat16), beta, cu_seqlens=cu, initial_state=h0,
-                                output_final_state=True, save_tape=True, walk_form=form, gate=gate)
-    chunk_kda_bwd(gated, do, dht, gate_form="full" if form == "full" else None)
+        for raw_g in (raw, raw.to(torch.bfloat16)):  # the raw gate in fp32, and in bf16 read as it is (dg in bf16)
+            _, _, gated = chunk_kda_fwd(q, k, v, raw_g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                        save_tape=True, walk_form=form, gate=gate)
+            chunk_kda_bwd(gated, do, dht, gate_form="full" if form == "full" else None)
 from kda_aot.ops.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
