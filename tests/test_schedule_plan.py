@@ -131,12 +131,14 @@ def test_explain_command_refuses_what_chunk_kda_would(args, message):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "doc_zigzag"])
 @pytest.mark.parametrize("pack", ["Q1", "Q2", "Q3", "Q4", "Q5", "Q6"])
 def test_cp_rank_plans_of_every_layout(pack, layout, world):
-    """Each CP rank's plans as the CP forward and replay build them (kda_aot.cp.collective: the fragments
-    that others wait for first, those that need an entering state deferred, the middle ones summarised):
+    """Each CP rank's plans as the CP forward and replay build them (kda_aot.cp.collective.pipelined_roles:
+    the fragments that others wait for first, those that need an entering state deferred, the middle ones
+    summarised):
     every chunk's chunk stage once, the exchange after the senders' walks, every deferred segment walked
     after it once, the replay's pieces each walked once a direction after its chunk stage."""
     import math
     from bench.packs import PACKS
+    from kda_aot.cp.collective import pipelined_roles
     from kda_aot.cp.plan import make_plan
     cu = [0]
     for n in PACKS[pack]:
@@ -147,9 +149,7 @@ def test_cp_rank_plans_of_every_layout(pack, layout, world):
             continue
         assert [f.segment for f in local] == list(range(len(local)))
         chains = tuple(math.ceil(f.length / 64) for f in local)
-        deferred = tuple(f.segment for f in local if f.needs_state)
-        senders = tuple(f.segment for f in local if not f.needs_state and not f.is_last)
-        middle = tuple(f.segment for f in local if f.needs_state and not f.is_last)
+        deferred, senders, middle = pipelined_roles(local)
         plan = forward_plan(chains, 32, 132, first=senders, deferred=deferred, cp=True, summarised=middle)
         covered(plan)
         node = plan.exchange

@@ -148,6 +148,18 @@ def entering_decay(g, plan: CPPlan, f, backend) -> torch.Tensor:
     return kda.entering_decay(first, floor)
 
 
+def pipelined_roles(local) -> tuple:
+    """(deferred, senders, summarised): the segments of a rank's local fragments by their part in the
+    pipelined CP forward. deferred: those that enter with another rank's state (walked after the
+    exchange); senders: those that start their document and hand their exit state on (walked first,
+    their final state sent); summarised: the deferred ones that hand a state on too (their summaries
+    go in the exchange)."""
+    deferred = tuple(f.segment for f in local if f.needs_state)
+    senders = tuple(f.segment for f in local if not f.needs_state and not f.is_last)
+    summarised = tuple(f.segment for f in local if f.needs_state and not f.is_last)
+    return deferred, senders, summarised
+
+
 def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):
     """The CP forward (collective): (o, final_state or [0]); fills ctx for _cp_backward."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the kernels read them densely
@@ -156,7 +168,8 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
     local = plan.local_fragments
     keep = mode == "saved"
 
-    middle = [f for f in local if f.needs_state and not f.is_last]  # summarised whatever the order
+    deferred, senders, summarised = pipelined_roles(local)
+    middle = [f for f in local if f.segment in summarised]  # summarised whatever the order
 
     # the initial state's factor of each local fragment's first token, formed once (known_state runs for
     # a fragment several times; only the factors of fragments that start their document are used)
@@ -206,9 +219,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
         with _Phase("fwd local", q.device):
             o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
                                         torch.stack([known_state(f) for f in local]),
-                                        [f.segment for f in local if f.needs_state], entering,
-                                        [f.segment for f in local if not f.needs_state and not f.is_last],
-                                        [f.segment for f in middle])
+                                        list(deferred), entering, list(senders), list(summarised))
         S_in, M_local = got["S_in"], got["M_local"]
         if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
             main = torch.cuda.current_stream(q.device)
