@@ -6,6 +6,8 @@
 #     sanitize  compute-sanitizer memcheck and racecheck of bench/sanitize_kda.py on B
 #     timing    Q1, H = 32 forward and replay step, kda_aot alone, A B A B (separate processes): the patch's cost
 #     numerics  bench/numerics.py on B (NUMERICS_ARGS; FLA beside when .whl carries it), rows into $OUT
+#     cmd       AB_CMD (a command line run from a tree's root, e.g. "python3 bench/profile_kda.py Q1 32
+#               fla_layer") in A B A B, each capped by CMD_S (default 60 s), logs cmd_{A,B}_{1,2}.log
 # Logs and rows come back under $OUT (logs.tgz, *.jsonl), with Triton's cache (device_env.sh).
 # Usage: PATCH=docs/wip/x.patch STEPS="tests sanitize timing" TESTS="tests/..." bash bench/patch_ab.sh
 source "$(dirname "$0")/device_env.sh"
@@ -49,6 +51,15 @@ for step in ${STEPS:-tests sanitize timing}; do
             > "$W/timing_${name}_$round.log" 2>&1
           stamp "timing $([ "$tree" = "$A" ] && echo A || echo B) round $round: $(grep '^timing' \
             "$W/timing_${name}_$round.log" | tr '\n' ' ')"
+        done
+      done ;;
+    cmd)
+      for round in 1 2; do
+        for tree in "$A" "$B"; do
+          arm=$([ "$tree" = "$A" ] && echo A || echo B)
+          timeout -s INT -k 10 "$(cap ${CMD_S:-60})" bash -c "cd $tree && PYTHONPATH=$tree:\${PYTHONPATH:-} $AB_CMD" \
+            > "$W/cmd_${arm}_$round.log" 2>&1
+          stamp "cmd $arm round $round: rc $?"
         done
       done ;;
     numerics)
