@@ -66,13 +66,14 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--range", action="store_true", help="also the min and max over seeds (for test bounds)")
     ap.add_argument("--arms", default="attribution",
-                    help="attribution | comma list of shipped, fixed, fla, all-fp32, or knob overrides "
-                         "[base:]knob=value+knob=value (base: shipped or fixed)")
+                    help="attribution (from shipped) | attribution-fixed (from the kernels now) | comma list of "
+                         "shipped, fixed, fla, all-fp32, or knob overrides [base:]knob=value+knob=value (base: "
+                         "shipped or fixed)")
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args(argv)
     if a.list:
         for kname, doc in KNOB_DOC.items():
-            print(f"{kname:10s} {str(SHIPPED[kname]):6s} {doc}")
+            print(f"{kname:12s} {str(SHIPPED[kname]):6s} {doc}")
         return
     lens = [int(s) for s in a.lens.split(",")]
     arms = []
@@ -82,6 +83,12 @@ def main(argv=None):
         for a_, b_ in (("bf16", "bf16"), ("tf32", "tf32"), ("lean", "hilo"), ("bf16", "hilo"), ("fp32", "fp32")):
             arms.append((f"gram {a_}/{b_}", dict(SHIPPED, gram_a=a_, gram_b=b_)))
         arms += [("all fp32", dict(SHIPPED, **{n: "fp32" for n in KNOB_DOC})), ("fla", None)]
+    elif a.arms == "attribution-fixed":
+        arms = [("fixed", FIXED)]
+        arms += [(f"{n}=fp32", dict(FIXED, **{n: "fp32"})) for n in KNOB_DOC if FIXED[n] != "fp32"]
+        arms += [(f"{n}={v}", dict(FIXED, **{n: v})) for n, v in (("gram_exact", "aqk"), ("gram_exact", "akk"),
+                                                                   ("gram_exact", "both"), ("gamma", "fp64"))]
+        arms += [("all fp32", dict(FIXED, **{n: "fp32" for n in KNOB_DOC})), ("fla", None)]
     else:
         table = {"shipped": SHIPPED, "fixed": FIXED, "fla": None,
                  "all-fp32": dict(SHIPPED, **{n: "fp32" for n in KNOB_DOC})}

@@ -8,9 +8,12 @@ from .rounding import C, F32, K, LOG2E, bf, ex2, rnd
 
 def cumgate(g, kn):
     """Gamma (natural units, fp32 running sum in row order) and G = Gamma log2 e; padding rows g = 0
-    (they repeat the last row)."""
+    (they repeat the last row). kn['gamma'] = 'fp64': both exact (G's differences then rounded once, in ex2)."""
     if kn["gate_clamp"] is not None:
         g = torch.clamp(g, min=-kn["gate_clamp"])
+    if kn["gamma"] == "fp64":
+        gam = torch.cumsum(g.double(), 2)
+        return gam.float(), gam * LOG2E
     gam = torch.zeros_like(g)
     acc = torch.zeros_like(g[:, :, 0])
     for r in range(C):
@@ -72,14 +75,19 @@ def chunk_stage(q, k, v, G, beta, kn):
     for (r0, r1), (j0, j1), a in row_pieces(kn):
         fa = gate_factor(G, (r0, r1), a, +1)
         fb = gate_factor(G, (j0, j1), a, -1)
-        diag = r0 >= j0
-        op_a = kn["gram_diag_a"] if diag and kn["gram_diag_a"] else kn["gram_a"]
-        op_b = kn["gram_diag_b"] if diag and kn["gram_diag_b"] else kn["gram_b"]
+        where = "diag" if j0 >= 16 * (r0 // 16) else "off"  # the off-diagonal blocks' pieces start at column 0
+        op_a, op_b = (kn[f"gram_{where}_{s_}"] or kn[f"gram_{s_}"] for s_ in ("a", "b"))
+        op_q = kn["gram_q"] or op_a
         kb = operand(k[:, :, j0:j1].float(), fb, op_b)
         ka = operand(k[:, :, r0:r1].float(), fa, op_a)
-        qa = operand(q[:, :, r0:r1].float(), fa, op_a)
+        qa = operand(q[:, :, r0:r1].float(), fa, op_q)
+        kbq = kb
+        if kn["gram_exact"] in ("akk", "both"):
+            ka, kb = k[:, :, r0:r1].float() * fa, k[:, :, j0:j1].float() * fb
+        if kn["gram_exact"] in ("aqk", "both"):
+            qa, kbq = q[:, :, r0:r1].float() * fa, k[:, :, j0:j1].float() * fb
         accK = ka @ kb.transpose(-1, -2)
-        accQ = qa @ kb.transpose(-1, -2)
+        accQ = qa @ kbq.transpose(-1, -2)
         i, j = ii[r0:r1, None], ii[None, j0:j1]
         L[:, :, r0:r1, j0:j1] = torch.where(j < i, beta[:, :, r0:r1, None] * accK, 0.0)
         Aqk[:, :, r0:r1, j0:j1] = torch.where(j <= i, accQ, 0.0)

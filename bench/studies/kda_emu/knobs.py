@@ -11,6 +11,11 @@ SHIPPED = {
     "gram_b": "lean",        # ('bf16'), bf16 hi + lo ('hilo'), tf32, fp32; gram_b: the column operand k_j gated
     "gram_diag_a": None,     # row / column operands of the diagonal 16-row blocks' pieces
     "gram_diag_b": None,     # (None: gram_a / gram_b)
+    "gram_off_a": None,      # row / column operands of the off-diagonal 16-row blocks
+    "gram_off_b": None,      # (None: gram_a / gram_b)
+    "gram_q": None,          # Aqk's row operand q_i gated alone (None: as Akk's row operand k_i gated)
+    "gram_exact": None,      # 'aqk', 'akk' or 'both': that product from exact fp32 operands (attribution)
+    "gamma": "fp32",         # Gamma, G as the kernels' fp32 running sum, or exact ('fp64')
     "aqk_ii": "mma",         # Aqk's i = j entries from the mma ('mma') or as sum_d q k in fp32 ('exact')
     "aqk": "bf16",           # Aqk as the walk (and backward) reads it
     "inv": "fp32",           # (I + L)^-1 inside the chunk stage (3xTF32 ~ fp32)
@@ -56,6 +61,9 @@ SHIPPED = {
 
 KNOB_DOC = {
     "gram_a": "Akk/Aqk row operands (chunk stage)", "gram_b": "Akk/Aqk column operand (chunk stage)",
+    "gram_diag_a": "gram_a, diagonal blocks only", "gram_diag_b": "gram_b, diagonal blocks only",
+    "gram_off_a": "gram_a, off-diagonal blocks only", "gram_off_b": "gram_b, off-diagonal blocks only",
+    "gram_q": "Aqk's row operand alone",
     "aqk": "Aqk stored bf16",
     "t_op": "T = (I+L)^-1 diag(beta) operand", "kexp": "K e^Gamma operand", "w": "W stored", "u": "U stored",
     "qg": "Q e^Gamma stored", "kg": "K e^(gamma-Gamma) stored", "s_op": "walk: S operand",
