@@ -4,6 +4,8 @@ transfer walk, B from the forward walk), the local forward with entering states,
 backward with exit-state gradients. Bound: relative RMS 1e-2 (the kernels' bf16 budget, see
 test_kda_fwd_gpu); M's own products run in split bf16, so M's error comes from the bf16 W and Kg.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -122,7 +124,7 @@ def test_replay_hook_is_bitwise_forward_then_state_grads(kda_options, overlap):
 def test_pipelined_forward_is_bitwise_prepare_then_forward(kda_options, lens, deferred, senders, beside):
     """CudaBackend.forward_pipelined (Options.cp_pipeline, the default: the walks of the segments whose
     entering state is known beside the chunk stage, the senders' first, the deferred ones from what
-    entering(prepared, final_state) returns once it is queued) against prepare() then forward() with
+    the exchange's run(prepared, final_state) returns once it is queued) against prepare() then forward() with
     the same states: every output bitwise; entering called once, the senders' final states ready, and
     summaries of the deferred segments made in it bitwise those of the plain prepare(). beside: the
     exchange stream (Options.cp_exchange_beside; a missing wait for a chunk stage would show) and the
@@ -144,8 +146,8 @@ def test_pipelined_forward_is_bitwise_prepare_then_forward(kda_options, lens, de
         calls.append(finals[senders].clone())  # queued on the stream the exchange would use
         got.extend(cuda.summaries_of(prepared, [(s, True) for s in deferred], deferred) if deferred else [])
         return later[deferred]
-    o_b, fin_b, ctx_b = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, True, known, deferred, entering,
-                                               senders)
+    o_b, fin_b, ctx_b = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, True, known, deferred,
+                                               SimpleNamespace(run=entering), senders)
     assert len(calls) == 1 and torch.equal(calls[0], fin_a[senders])
     for (m_a, b_a), (m_b, b_b) in zip(want, got, strict=True):
         assert torch.equal(m_a, m_b) and torch.equal(b_a, b_b)

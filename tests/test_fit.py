@@ -4,17 +4,17 @@ from pathlib import Path
 
 import pytest
 
-from kda_aot.schedule import fit
+from kda_aot.schedule import fit, plan
 
 
 @pytest.fixture(autouse=True)
 def fresh_caches():
     """Decisions and measurements are cached process-wide: every test starts and ends without them
     (also when an assertion fails), so no monkeypatched value leaks into another test."""
-    for cached in (fit._decide, fit.measured_rho, fit.pipelined_walk_sms):
+    for cached in (fit._decide, fit.measured_rho, fit.pipelined_walk_sms, plan):
         cached.cache_clear()
     yield
-    for cached in (fit._decide, fit.measured_rho, fit.pipelined_walk_sms):
+    for cached in (fit._decide, fit.measured_rho, fit.pipelined_walk_sms, plan):
         cached.cache_clear()
 
 

@@ -9,12 +9,13 @@ or touched what it writes (_Ordering, over byte ranges): the orders the GPU may 
 order hides (test_the_ordering_check_sees_a_missing_wait shows it failing)."""
 import contextlib
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import SEED
-from kda_aot.schedule import backward, fit, kda
+from kda_aot.schedule import backward, fit, kda, plan
 
 
 def _rows(t):
@@ -250,6 +251,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: order.current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
     fit.pipelined_walk_sms.cache_clear()
+    plan.cache_clear()
     return order
 
 
@@ -331,7 +333,7 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
                                                    beside, piece_senders, summarised_of):
     """The CUDA CP backend's forward_pipelined (Options.cp_pipeline, the default): the walks of the
     segments with a known entering state beside the chunk stage, the senders' first,
-    entering(prepared, final_state) once the chunk stage is queued (called once, also with nothing
+    the exchange's run(prepared, final_state) once the chunk stage is queued (called once, also with nothing
     deferred: the exchange is collective) with the senders' final states already there, the deferred
     segments' walks from what it returns; against prepare() then forward() with the same entering
     states. beside: the exchange and the deferred walks on a stream of their own (cp_exchange_beside), the
@@ -366,8 +368,8 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
         return later[deferred]
     poisoned_known = known.clone()
     poisoned_known[deferred] = float("nan")  # the deferred rows must not be read
-    got = backend.forward_pipelined(q, k, v, g, beta, bounds, 0.1, keep, poisoned_known, deferred, entering,
-                                    senders, summarised)
+    got = backend.forward_pipelined(q, k, v, g, beta, bounds, 0.1, keep, poisoned_known, deferred,
+                                    SimpleNamespace(run=entering), senders, summarised)
     emulated.touch("the caller", reads=[got[0], got[1]] + ([got[2][n] for n in ("tape", "vnew")] if keep else []))
     assert len(calls) == 1 and torch.equal(calls[0], plain[1][senders])
     assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1]) and not torch.isnan(got[1]).any()
@@ -428,3 +430,24 @@ def test_the_ordering_check_sees_a_missing_wait(emulated, monkeypatch):
     monkeypatch.setattr(_Stream, "wait_stream", lambda self, other: None if self is main else wait(self, other))
     with pytest.raises(AssertionError, match="kda_bwd_chunk reads .* without waiting for kda_(fwd|bwd)_walk"):
         backward._replay_step(q, k, v, g, beta, h0, cu, 0.1, do, dht)
+
+
+def test_a_failing_launch_still_joins_the_side_streams(emulated, monkeypatch):
+    """execute.run: when a node raises, the plan's joins after it still run (the current stream waits for
+    every side stream, whose queued walks may still read the caller's tensors), then the error goes on."""
+    q, k, v, g, beta, cu, h0, _, _ = _inputs([300, 129, 700], 2, SEED + 5)
+    walk, calls, sides = kda.chunk_kda_walk, [], set()
+
+    def second_fails(*args, **kwargs):
+        calls.append(emulated.current[-1])
+        if len(calls) == 2:
+            raise RuntimeError("launch failed")
+        sides.add(emulated.current[-1])
+        return walk(*args, **kwargs)
+    monkeypatch.setattr(kda, "chunk_kda_walk", second_fails)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True, pipeline=True)
+    main = emulated.current[0]
+    assert len(calls) == 2 and sides and main not in sides
+    for side in sides:
+        assert main.clock.get(side.id, 0) >= side.launched > 0

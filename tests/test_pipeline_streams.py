@@ -7,12 +7,14 @@ from (the pieces' handoffs), the exchange (entering) after the senders' walks an
 the deferred segments it summarises, the current stream after everything once the forward returns. The GPU tests
 check the bits; these check the order the GPU may run things in, which a lucky schedule hides."""
 import contextlib
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import test_pipeline_emulated as emu
-from kda_aot.schedule import fit, kda
+from kda_aot.schedule import fit, kda, plan
 
 
 def _after(stream, op, what):
@@ -83,6 +85,7 @@ def world(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: w.current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
     fit.pipelined_walk_sms.cache_clear()
+    plan.cache_clear()
     return w
 
 
@@ -100,9 +103,14 @@ IDS = ["2", "6", "32-long", "lone-sender", "lead-piece", "pieced-middle", "piece
 @pytest.mark.parametrize("lens,deferred,senders,summarised", CASES, ids=IDS)
 @pytest.mark.parametrize("beside", ["1", "0"], ids=["beside", "main-stream"])
 def test_cp_forward_waits_for_what_it_reads(world, kda_options, lens, deferred, senders, summarised, beside):
-    from kda_aot.cp.backends import CudaBackend
     kda_options(cp_exchange_beside=beside == "1")
     kda_options(cp_piece_senders=True)  # the sent chains in pieces too: their lead order
+    _forward_checked(world, lens, deferred, senders, summarised, beside == "1")
+
+
+def _forward_checked(world, lens, deferred, senders, summarised, beside):
+    """The CP forward under the clocks: every read checked (_World, the exchange's reads, the caller's)."""
+    from kda_aot.cp.backends import CudaBackend
     main = world.current[0]
     main.launched = 1
     earlier = (main.id, 1)  # an earlier launch on the current stream (e.g. a collective)
@@ -119,9 +127,69 @@ def test_cp_forward_waits_for_what_it_reads(world, kda_options, lens, deferred, 
         for s in summarised:
             for t in range(bounds[s], bounds[s + 1]):
                 _after(here, world.token_writer.get(t), f"a summary reads deferred segment {s}'s token {t} early")
+        here.launched += 1  # what it makes (the states, what the caller keeps of it) is made on its stream
+        world.state_writer["the exchange"] = (here.id, here.launched)
         return later[deferred]
-    CudaBackend().forward_pipelined(q, k, v, g, beta, bounds, 0.1, True, known.clone(), deferred, entering, senders,
-                                    summarised)
-    assert len(calls) == 1 and (calls[0] is main) == (beside == "0")
+    CudaBackend().forward_pipelined(q, k, v, g, beta, bounds, 0.1, True, known.clone(), deferred,
+                                    SimpleNamespace(run=entering), senders, summarised)
+    assert len(calls) == 1 and (calls[0] is main) == (not beside)
     for op in set(world.token_writer.values()) | set(world.state_writer.values()):
         _after(main, op, "the forward returns before a launch it made is joined")
+
+
+def _clocks(nodes) -> list:
+    """Each launch's vector clock (streams by name) when the nodes run, and the current stream's at the end,
+    which the caller reads from: what the nodes order. The current stream holds one launch before them."""
+    from kda_aot.schedule.plan import MAIN, ChunkStage, Record, RunExchange, Wait, WaitEvent, Walk
+    launched, clock, events, seen = {MAIN: 1}, {}, {}, []
+
+    def now(s):
+        return {**clock.get(s, {}), s: launched.get(s, 0)}
+
+    def wait(s, other):
+        mine = clock.setdefault(s, {})
+        for k, v in other.items():
+            mine[k] = max(mine.get(k, 0), v)
+    for node in nodes:
+        if isinstance(node, (ChunkStage, Walk, RunExchange)):
+            s = MAIN if isinstance(node, ChunkStage) else node.stream
+            launched[s] = launched.get(s, 0) + 1
+            seen.append(now(s))
+        elif isinstance(node, Wait):
+            wait(node.stream, now(node.on))
+        elif isinstance(node, Record):
+            events[node.event] = now(MAIN)
+        elif isinstance(node, WaitEvent):
+            wait(node.stream, events[node.event])
+    return [{s: n for s, n in c.items() if n} for c in seen + [now(MAIN)]]
+
+
+def _live_waits(plan) -> list:
+    """The indices of the plan's waits that order something: without one, some launch (or the caller, after
+    the current stream) would not be after what it is after with it."""
+    from kda_aot.schedule.plan import Wait, WaitEvent
+    every = _clocks(plan.nodes)
+    return [i for i, node in enumerate(plan.nodes) if isinstance(node, (Wait, WaitEvent))
+            and _clocks(plan.nodes[:i] + plan.nodes[i + 1:]) != every]
+
+
+@pytest.mark.parametrize("lens,deferred,senders,summarised", [CASES[i] for i in (1, 5, 8, 10, 12)],
+                         ids=[IDS[i] for i in (1, 5, 8, 10, 12)])
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "main-stream"])
+def test_every_wait_of_the_cp_forward_plan_is_needed(world, kda_options, monkeypatch, lens, deferred, senders,
+                                                    summarised, beside):
+    """The plan's waits are data: each one that orders something, taken out of the plan, makes a check fail."""
+    kda_options(cp_exchange_beside=beside, cp_piece_senders=True)
+    chains = [-(-n // 64) for n in lens]
+    plan = kda.forward_plan(chains, 2, 132, first=senders, deferred=deferred, cp=True, summarised=summarised,
+                            exchange_beside=beside)
+    live = _live_waits(plan)
+    assert len(live) >= len(plan.groups)
+    for i in live:
+        cut = dataclasses.replace(plan, nodes=plan.nodes[:i] + plan.nodes[i + 1:])
+        monkeypatch.setattr(kda, "forward_plan", lambda *a, **kw: cut)
+        world.current[:] = [emu._Stream()]
+        world.token_writer.clear()
+        world.state_writer.clear()
+        with pytest.raises(AssertionError):
+            _forward_checked(world, lens, deferred, senders, summarised, beside)

@@ -74,7 +74,10 @@ def test_cp_forward_plan_ends_in_its_exchange(beside):
     else:
         assert node.after_stage is None and node.walks_after_stage is None
     text = plan.explain()
-    assert "then the exchange" in text and "segments [0, 1), segments [3, 5)" in text
+    on = "exchange" if beside else "main"
+    assert f"{on}: the exchange (summaries of segments [3], final states of segments [1] sent)" in text
+    assert f"{on}: kda_fwd_walk over segments [0, 1) on the device's SMs, from entering[0:1]" in text
+    assert f"{on}: kda_fwd_walk over segments [3, 5) on the device's SMs, from entering[1:3]" in text
     assert text.count("walked after the exchange") == sum(
         all(s in deferred for s in range(a, b)) for a, b in plan.groups)
     assert forward_plan(lengths, 32, 132).exchange is None  # one GPU: no exchange
@@ -96,7 +99,9 @@ def test_replay_plan_orders_pieces_from_both_ends():
     for step, (f, b) in enumerate(plan.pieces.walks):
         assert set(f) | set(b) <= set(plan.pieces.order[:step + 1])
     assert plan.pieces.walks[:2] == (((0,), ()), ((), (n - 1,)))
-    assert "through pieces: forward [0], backward []" in plan.explain()
+    text = plan.explain()
+    assert f"side {plan.pieces.group}.0: kda_fwd_walk over piece 0 of segment 0" in text
+    assert f"side {plan.pieces.group}.1: kda_bwd_walk over piece {n - 1} of segment 0" in text
     assert replay_plan(Q1, 32, 132).pieces is None              # one GPU: no pieces in the replay
 
 
@@ -111,8 +116,9 @@ def test_explain_command():
     assert lens.startswith("pack: 3 documents, 5101 tokens")
     cp = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "100,1,5000", "4", "--cp", "1", "0,2",
                          "--beside"], cwd=root, capture_output=True, text=True, check=True).stdout
-    assert "first [1], deferred [0, 2]" in cp and "then the exchange on its own stream" in cp
-    assert "walked after the exchange" in cp and "through pieces: forward" in cp
+    assert "first [1], deferred [0, 2]" in cp and "exchange waits for event 'before'" in cp
+    assert "exchange: the exchange (summaries of segments [0, 2]" in cp and "main waits for exchange (join)" in cp
+    assert "walked after the exchange" in cp and "kda_bwd_walk over piece 7 of segment 2" in cp
 
 
 @pytest.mark.parametrize("args,message", [(["Q1", "100"], "HEADS: chunk_kda takes 1 .. 64 heads, got 100"),
@@ -152,6 +158,7 @@ def test_cp_rank_plans_of_every_layout(pack, layout, world):
         deferred, senders, middle = pipelined_roles(local)
         plan = forward_plan(chains, 32, 132, first=senders, deferred=deferred, cp=True, summarised=middle)
         covered(plan)
+        _checked_order(plan)
         node = plan.exchange
         assert node.after_walks == plan.groups_of(senders)
         walked_after = [s for a, b in node.deferred_runs for s in range(a, b)]
@@ -161,9 +168,138 @@ def test_cp_rank_plans_of_every_layout(pack, layout, world):
             assert not set(range(a, b)) & set(deferred)
         replay = replay_plan(chains, 32, 132, pieced=True)
         covered(replay)
+        _checked_order(replay)
         if replay.pieces is not None:
             n = len(replay.pieces.bounds) - 1
             assert sorted(r for f, _ in replay.pieces.walks for r in f) == list(range(n))
             assert sorted(r for _, b in replay.pieces.walks for r in b) == list(range(n))
             for step, (f, b) in enumerate(replay.pieces.walks):
                 assert set(f) | set(b) <= set(replay.pieces.order[:step + 1])
+
+
+def test_plans_are_cached_per_key_and_immutable(kda_options):
+    """The same key gives the same plan object (lengths as any sequence); other lengths, heads, SMs, roles or
+    Options.cp_piece_senders (which fit.pieced_group reads) give another; a plan and its nodes are frozen."""
+    import dataclasses
+    plan = forward_plan(Q1, 32, 132)
+    assert forward_plan(list(Q1), 32, 132) is plan and hash(plan) == hash(forward_plan(Q1, 32, 132))
+    assert forward_plan(Q1[:3], 32, 132) is not plan and forward_plan(Q1, 16, 132) is not plan
+    assert forward_plan(Q1, 32, 66) is not plan
+    cp = forward_plan(CP2_Q1_RANK0, 32, 132, first=[1], deferred=[], cp=True)
+    assert forward_plan(CP2_Q1_RANK0, 32, 132, first=(1,), cp=True) is cp
+    assert forward_plan(CP2_Q1_RANK0, 32, 132, first=(1,), cp=True, exchange_beside=True) is not cp
+    kda_options(cp_piece_senders=True)
+    assert forward_plan(CP2_Q1_RANK0, 32, 132, first=(1,), cp=True) is not cp
+    assert forward_plan(Q1, 32, 132) is plan  # one GPU: the option is not read
+    replay = replay_plan(CP2_Q1_RANK0, 32, 132, pieced=True)
+    assert replay_plan(CP2_Q1_RANK0, 32, 132, pieced=True) is replay
+    assert replay_plan(CP2_Q1_RANK0, 32, 132, pieced=True, skip_bwd=[0]) is not replay
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.nodes = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.nodes[0].first = 1
+    assert isinstance(plan.nodes, tuple) and all(hash(node) is not None for node in plan.nodes)
+
+
+def _checked_order(plan):
+    """What every executor run of the plan holds to: each side-stream walk after a fork of its stream that
+    follows the chunk stage of what it walks (a piece also after the walk of the piece before: the same
+    stream), every event recorded before it is waited for, the current stream joined with every side stream
+    last. Returns the walks and the exchange."""
+    from kda_aot.schedule.plan import MAIN, ChunkStage, Record, RunExchange, Wait, WaitEvent, Walk
+    staged, forked, recorded, walks = set(), {}, set(), []
+    for step, node in enumerate(plan.nodes):
+        if isinstance(node, ChunkStage):
+            staged.add((node.group, node.piece))
+        elif isinstance(node, Wait) and node.on == MAIN:
+            forked[node.stream] = set(staged)
+        elif isinstance(node, Record):
+            recorded.add(node.event)
+        elif isinstance(node, WaitEvent):
+            assert node.event in recorded, node
+        elif isinstance(node, Walk) and node.stream.kind == "side":
+            assert (node.stream.group, node.piece) in forked[node.stream], node
+            walks.append(node)
+        elif isinstance(node, (RunExchange, Walk)):
+            walks.append(node)
+    joins = [n for n in plan.nodes if isinstance(n, Wait) and n.join]
+    assert plan.nodes[-len(joins):] == tuple(joins) or plan.exchange is not None
+    assert {n.on for n in joins if n.on.kind == "side"} == {n.stream for n in plan.nodes
+                                                         if isinstance(n, Wait) and n.on == MAIN}
+    return walks
+
+
+@pytest.mark.parametrize("lengths", [Q1, (5,), (700, 1, 64, 300)])
+def test_forward_nodes(lengths):
+    """One GPU: each launch's chunk stage, its group's side stream forked, the group's walk there; the pieces
+    walked in order, each from the one before's end state (handoff), the last into the final state; the joins
+    last. explain() prints every node."""
+    from kda_aot.schedule.plan import ChunkStage, Rows, Walk
+    plan = forward_plan(lengths, 32, 132)
+    walks = _checked_order(plan)
+    stages = [n for n in plan.nodes if isinstance(n, ChunkStage)]
+    assert [(n.group, n.piece) for n in stages] == list(plan.launches)
+    assert [(n.first, n.end) for n in stages] == [plan.chunk_range(g, p) for g, p in plan.launches]
+    covered = sorted(s for w in walks if w.piece in (None, 0) for s in range(w.first, w.end))
+    assert covered == list(range(len(lengths)))
+    if plan.pieces is not None:
+        pieced = [w for w in walks if w.piece is not None]
+        n = len(plan.pieces.bounds) - 1
+        assert [w.piece for w in pieced] == list(range(n))
+        assert [w.start for w in pieced[1:]] == [w.into for w in pieced[:-1]] == [Rows("handoff", p, p + 1)
+                                                                                  for p in range(n - 1)]
+        a = plan.groups[plan.pieces.group][0]
+        assert pieced[0].start == Rows("initial_state", a, a + 1) and pieced[-1].into == Rows("final_state", a, a + 1)
+    assert all(isinstance(w, Walk) and w.sms == plan.sms_of("kda_fwd_walk", w.stream.group) for w in walks)
+    text = plan.explain()
+    assert all(str(node) in text for node in plan.nodes) and len(text.splitlines()) == len(plan.nodes) + 1
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["current-stream", "beside"])
+def test_cp_forward_exchange_nodes(beside):
+    """CP: the exchange node (RunExchange: what it summarises, sends and gives) on the exchange's stream after
+    the senders' walks (and, beside, after what came before the forward and the summarised segments' chunk
+    stage); the deferred walks after it from its entering states; the deferred segments' groups walk nothing
+    beside the chunk stage; beside, the exchange's stream is joined before the side streams."""
+    from kda_aot.schedule.plan import EXCHANGE, MAIN, Rows, RunExchange, Stream, Wait, WaitEvent, Walk
+    lengths, first, deferred = (5, 40, 3, 12, 7), (1,), (0, 3, 4)
+    plan = forward_plan(lengths, 32, 132, first=first, deferred=deferred, cp=True, summarised=(3,),
+                        exchange_beside=beside)
+    _checked_order(plan)
+    nodes = list(plan.nodes)
+    at = next(i for i, n in enumerate(nodes) if isinstance(n, RunExchange))
+    on = EXCHANGE if beside else MAIN
+    assert nodes[at] == RunExchange(on, (3,), first, deferred)
+    waits = [n for n in nodes[:at] if getattr(n, "stream", None) == on and isinstance(n, (Wait, WaitEvent))]
+    assert [n.on for n in waits if isinstance(n, Wait)] == [Stream("side", g, 0) for g in plan.groups_of(first)]
+    events = [n.event for n in waits if isinstance(n, WaitEvent)]
+    assert events == (["before", f"stage {plan.exchange.after_stage}"] if beside else [])
+    after = [n for n in nodes[at + 1:] if isinstance(n, Walk)]
+    assert [(w.stream, w.first, w.end, w.start, w.into) for w in after] == [
+        (on, 0, 1, Rows("entering", 0, 1), Rows("final_state", 0, 1)),
+        (on, 3, 5, Rows("entering", 1, 3), Rows("final_state", 3, 5))]
+    side_walks = {s for n in nodes[:at] if isinstance(n, Walk) for s in range(n.first, n.end)}
+    assert side_walks == set(range(len(lengths))) - set(deferred)
+    joins = [n for n in nodes if isinstance(n, Wait) and n.join]
+    assert (joins[0] == Wait(MAIN, EXCHANGE, join=True)) == beside
+
+
+def test_replay_nodes_leave_out_the_skipped_backward_walks():
+    """The replay: both walks of each group on its two lanes; skip_bwd's segments get no backward walk (a
+    pieced one none through any piece); the pieces' walks chain their handoffs from both ends."""
+    from kda_aot.schedule.plan import Rows, Walk
+    plan = replay_plan((40, 3, 1584, 5, 368), 32, 132, pieced=True, skip_bwd=(1,))
+    walks = _checked_order(plan)
+    bwd = [w for w in walks if w.program == "kda_bwd_walk"]
+    assert {s for w in bwd for s in range(w.first, w.end)} == {0, 2, 3, 4}  # 1 skipped
+    assert all(w.stream.lane == (w.program == "kda_bwd_walk") for w in walks)
+    n = len(plan.pieces.bounds) - 1
+    pieced_bwd = [w for w in bwd if w.piece is not None]
+    assert [w.piece for w in pieced_bwd] == list(range(n - 1, -1, -1))
+    a = plan.groups[plan.pieces.group][0]
+    assert pieced_bwd[0].start == Rows("dfinal_state", a, a + 1)
+    assert pieced_bwd[-1].into == Rows("dinitial_state", a, a + 1)
+    assert [w.into for w in pieced_bwd[:-1]] == [w.start for w in pieced_bwd[1:]]
+    skipped = replay_plan((40, 3, 1584, 5, 368), 32, 132, pieced=True, skip_bwd=(a,))
+    assert not [w for w in skipped.nodes if isinstance(w, Walk) and w.program == "kda_bwd_walk" and w.first == a]
+    assert f"no backward walk of [{a}]" in skipped.explain()

@@ -12,6 +12,7 @@ that event) and `end` (ms to the forward's end). With two ranks the exchange goe
 """
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -88,7 +89,8 @@ def main():
                 torch.cuda.synchronize()
                 start.record()
                 with arm_options:
-                    backend.forward_pipelined(*xs, bounds, HEAD_DIM ** -0.5, False, known, deferred, entering,
+                    backend.forward_pipelined(*xs, bounds, HEAD_DIM ** -0.5, False, known, deferred,
+                                              SimpleNamespace(run=entering),
                                               senders, summarised)
                 end.record()
                 torch.cuda.synchronize()

@@ -199,21 +199,21 @@ class CudaBackend:
         return saved, (None if bwd is None else bwd[1])
 
     def forward_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool,
-                          known: torch.Tensor, deferred: Sequence[int], entering, senders: Sequence[int] = (),
+                          known: torch.Tensor, deferred: Sequence[int], exchange, senders: Sequence[int] = (),
                           summarised: Optional[Sequence[int]] = None):
         """forward() in the single-GPU pipelined order (kda.chunk_kda_fwd_deferred): the chunk stage a
         segment group at a time with the walks of the segments whose entering state is known (`known`,
         one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
-        entering(prepared, final_state) then runs the summaries and the exchange (the senders' exit
+        exchange.run(prepared, final_state) then runs the summaries and the exchange (the senders' exit
         states are their final_state rows) and returns the deferred segments' entering states, whose
-        walks run beside the others; entering runs on a stream of its own (Options.cp_exchange_beside): what it
+        walks run beside the others; it runs on a stream of its own (Options.cp_exchange_beside): what it
         makes that the caller keeps must be record_stream'd onto the current stream, and what it reads of
         `prepared` must be the `summarised` segments' (default: every deferred one). Each segment's walk
         is the one forward() runs: the same bits."""
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         o, finals, saved = kda_schedule.chunk_kda_fwd_deferred(
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
-            deferred=deferred, entering=lambda prepared, finals: entering(prepared, finals).to(torch.float32).contiguous(),
+            deferred=deferred, exchange=exchange,
             save_tape=keep, senders=senders, exchange_beside=options.current().cp_exchange_beside,
             summarised=summarised)
         return o, finals, (saved if keep else None)

@@ -160,6 +160,22 @@ def pipelined_roles(local) -> tuple:
     return deferred, senders, summarised
 
 
+class _ForwardExchange:
+    """The CP forward's exchange node (kda_aot.schedule.plan.RunExchange) in the backend's pipelined forward:
+    run(prepared, final_state) makes the summaries, exchanges them and returns the deferred fragments'
+    entering states in segment order; it keeps S_in and M_local, which the rest of the forward reads."""
+
+    def __init__(self, entering_states, local, shape: tuple, dtype, device):
+        self.entering_states, self.local = entering_states, local
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.S_in = self.M_local = None
+
+    def run(self, prepared, final_state):
+        self.S_in, self.M_local = self.entering_states(prepared, final_state)
+        later = [self.S_in[f.index].to(self.device) for f in self.local if f.needs_state]  # segment order
+        return torch.stack(later) if later else torch.zeros(0, *self.shape, dtype=self.dtype, device=self.device)
+
+
 def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):
     """The CP forward (collective): (o, final_state or [0]); fills ctx for _cp_backward."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the kernels read them densely
@@ -210,17 +226,12 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
         # wait for (their exit state is their walk's final state: no summary walk); once it is
         # queued, the middle fragments' summaries, the exchange, then the other fragments' walks
         # (the backend's pipelined order)
-        got = {}
-
-        def entering(prepared, finals):
-            got["S_in"], got["M_local"] = entering_states(prepared, finals)
-            later = [got["S_in"][f.index].to(q.device) for f in local if f.needs_state]  # segment order
-            return torch.stack(later) if later else torch.zeros(0, H, K, V, dtype=sd, device=q.device)
+        node = _ForwardExchange(entering_states, local, (H, K, V), sd, q.device)
         with _Phase("fwd local", q.device):
             o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
                                         torch.stack([known_state(f) for f in local]),
-                                        list(deferred), entering, list(senders), list(summarised))
-        S_in, M_local = got["S_in"], got["M_local"]
+                                        list(deferred), node, list(senders), list(summarised))
+        S_in, M_local = node.S_in, node.M_local
         if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
             main = torch.cuda.current_stream(q.device)
             for t in (*S_in.values(), *M_local.values()):

@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from . import fit, kda
+from . import execute, fit, kda
 from .. import options
 from .._runtime import registry
 from .._runtime.packing import CHUNK
@@ -303,9 +303,9 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
 
 def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
                             gate=None):
-    """The replay's chunk stage and walks in the pipelined order (_pipelined): each group's forward
-    walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams, planned on half
-    the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (The chunk-parallel
+    """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
+    each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
+    planned on half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (The chunk-parallel
     backward is not pipelined behind the walks: the replay step is bound by the sum of its kernels'
     SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
@@ -323,53 +323,17 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     outs = kda._walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
     dtape = torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
-    plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced)
+    plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced, skip_bwd=skip_bwd)
+    buffers = {"initial_state": h0, "dfinal_state": dht, "dinitial_state": dh0}
     piece_chunks = None
-    if plan.pieces is not None:
+    if plan.pieces is not None:  # each piece's walks start from their neighbour's end state
         bounds = plan.pieces.bounds
-        n = len(bounds) - 1
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
-        fwd_handoff = torch.empty(n - 1, 1, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
-        bwd_handoff = torch.empty(n - 1, 1, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
-
-    def piece_walks(i, a, streams, p, chunks):
-        """Piece p's chunk stage is queued: the walks through the pieces the plan says are ready now."""
-        forward_pieces, backward_pieces = plan.pieces.walks[plan.pieces.order.index(p)]
-        for r in forward_pieces:
-            run_out = {"tape": outs["tape"], "vnew": outs["vnew"]}
-            if r < n - 1:
-                run_out["final_state"] = fwd_handoff[r]
-            start = (None if h0 is None else h0[a:a + 1]) if r == 0 else fwd_handoff[r - 1]
-            with torch.cuda.stream(streams[0]):
-                kda.chunk_kda_walk(kda.piece_view(prepared, a, chunks, bounds, r), initial_state=start,
-                               output_final_state=r < n - 1, save_tape=True, out=run_out, want_output=False,
-                               sm_count=plan.sms_of("kda_fwd_walk", i),
-                               pool=f"kda_fwd_walk/replay{i}")
-        for r in () if a in skip_bwd else backward_pieces:
-            end = (None if dht is None else dht[a:a + 1]) if r == n - 1 else bwd_handoff[r]
-            into = dh0[a:a + 1] if r == 0 else bwd_handoff[r - 1]
-            with torch.cuda.stream(streams[1]):
-                chunk_kda_bwd_walk(kda.piece_view(prepared, a, chunks, bounds, r), do, end,
-                                   out={"dtape": dtape, "dinitial_state": into},
-                                   sm_count=plan.sms_of("kda_bwd_walk", i),
-                                   pool=f"kda_bwd_walk/replay{i}")
-
-    def walks(i, a, b, streams, piece=None):
-        if piece is not None:  # the pieced group is one segment: b == a + 1
-            return piece_walks(i, a, streams, *piece)
-        view = kda.segments_view(prepared, a, b)
-        with torch.cuda.stream(streams[0]):
-            kda.chunk_kda_walk(view, initial_state=None if h0 is None else h0[a:b], save_tape=True,
-                           out={"tape": outs["tape"], "vnew": outs["vnew"]}, want_output=False,
-                           sm_count=plan.sms_of("kda_fwd_walk", i),
-                           pool=f"kda_fwd_walk/replay{i}")
-        with torch.cuda.stream(streams[1]):
-            for ra, rb in segment_runs({s for s in range(a, b) if s not in skip_bwd}, N) if skip_bwd else [(a, b)]:
-                chunk_kda_bwd_walk(kda.segments_view(prepared, ra, rb), do, None if dht is None else dht[ra:rb],
-                                   out={"dtape": dtape, "dinitial_state": dh0[ra:rb]},
-                                   sm_count=plan.sms_of("kda_bwd_walk", i),
-                                   pool=f"kda_bwd_walk/replay{i}")
-    kda._pipelined(prepared, h0, ("replay/pipeline-fwd", "replay/pipeline-bwd"), walks, plan, piece_chunks)
+        for name in ("fwd_handoff", "bwd_handoff"):
+            buffers[name] = torch.empty(len(bounds) - 2, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device,
+                                        dtype=torch.float32)
+    execute.run(plan, execute.Call(prepared, buffers, outs, save_tape=True, want_output=False, dout=do, dtape=dtape,
+                                   piece_chunks=piece_chunks))
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 

@@ -275,7 +275,7 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     first)'s index), or None. One GPU: the last group (last_group_pieces). Context parallelism (cp): the
     one-segment group of the longest chain that is not deferred - the rank's critical walk there, as a
     CP rank holds half the tokens but whole long documents, whose walk would otherwise wait for their
-    whole chunk stage (docs/cp.md); its first piece launches ahead of everything (kda._pipelined). A
+    whole chunk stage (docs/cp.md); its first piece launches ahead of everything (plan._launch_order). A
     sent chain (first) too, also when it is the rank's only one, so that the other rank does not wait
     at the exchange for that chain's whole chunk stage (the CP replay, which sends nothing, then pieces
     a rank's only chain too) - with Options.cp_piece_senders, off until measured on two GPUs."""
@@ -306,7 +306,7 @@ CP_PIECES = 8
 
 
 def lead_pieces(pieces: int) -> int:
-    """How many of the CP pieced group's pieces launch before the senders' groups (kda._pipelined)."""
+    """How many of the CP pieced group's pieces launch before the senders' groups (plan._launch_order)."""
     return max(1, pieces // 2)
 
 

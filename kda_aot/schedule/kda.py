@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from . import fit
-from .plan import PipelinePlan, forward_plan, segment_runs
+from . import execute, fit
+from .plan import forward_plan
 from .. import options
 from .._runtime import registry
 from .._runtime.tensor import describe, host_table_to, out_or, stream_of
@@ -292,156 +292,59 @@ def _pipeline_on(pipeline=None) -> bool:
     return options.current().pipeline if pipeline is None else bool(pipeline)
 
 
-def _pipelined(prepared: dict, initial_state, pools: tuple, launch_group, plan: PipelinePlan,
-               piece_chunks=None, before_join=None, stage_done=None):
-    """Run a pipelined plan (kda_aot.schedule.plan): each launch's chunk stage on the current stream,
-    then launch_group(i, first, end, streams) launches group i's walks on its side streams (one per pool),
-    which wait for that chunk stage (and the ones before it), so the walks run beside the chunk stage of
-    the launches after it; for a piece of the pieced group, launch_group(i, first, end, streams, (piece,
-    piece_chunks)) with piece_chunks the pieces' chunk bounds on the device (int32).
-    before_join(groups, streams): called once every launch is queued, before the side streams are
-    joined (its launches on the current stream run beside the walks; streams[i]: group i's side
-    streams). stage_done (a dict): {group: an event recorded on the current stream once that group's
-    chunk stage is queued}. The side streams are joined back into the current stream, also when a
-    launch raises: queued work may still read the caller's tensors."""
-    q = prepared["q"]
-    groups = plan.groups
-    main = torch.cuda.current_stream(q.device)
-    streams = [_side_streams(q.device, len(groups), pool) for pool in pools]
-    try:
-        for i, p in plan.launches:
-            a, b = groups[i]
-            _launch_chunk_stage(prepared, initial_state, *plan.chunk_range(i, p))
-            for pool in streams:
-                pool[i].wait_stream(main)
-            if stage_done is not None and p is None:
-                stage_done[i] = main.record_event()
-            if p is None:
-                launch_group(i, a, b, [pool[i] for pool in streams])
-            else:
-                launch_group(i, a, b, [pool[i] for pool in streams], (p, piece_chunks))
-        if before_join is not None:
-            before_join(groups, [[pool[i] for pool in streams] for i in range(len(groups))])
-    finally:
-        for pool in streams:
-            for side in pool:
-                main.wait_stream(side)
-
-
 def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, save_tape,
-                   walk_form, want_output, deferred=(), entering=None, senders=(), exchange_beside=False,
+                   walk_form, want_output, deferred=(), exchange=None, senders=(), exchange_beside=False,
                    summarised=None):
-    """chunk_kda_fwd in the pipelined order (_pipelined): each group's walk on a side stream beside
-    the later groups' chunk stage. Same kernels on the same data per chunk and per chain as the
-    plain order: bitwise the same. The outputs are allocated before, on the current stream.
-    deferred, entering, senders (context parallelism, chunk_kda_fwd_deferred): the `senders`
-    segments go first (their walks' final states are what other ranks wait for); the walks of the
-    `deferred` segments are left out of the groups; the plan's exchange node (plan.Exchange) runs once
-    the whole chunk stage is queued: entering(prepared, final_state), after the senders' walks, gives the
-    deferred segments' entering states (in `deferred`'s order, sorted), and they are walked from them
-    beside the other walks: on the current stream after the whole chunk stage, or (exchange_beside) on a
-    stream of its own that waits for what came before this forward, the senders' walks and the chunk stage
-    of the `summarised` segments (the deferred ones whose summaries entering computes; default: all) only,
-    the deferred walks then for their own chunk stage - not for the rest of the chunk stage, which the
-    walks beside it may slow: the exchange goes as soon as the ranks' senders are done."""
+    """chunk_kda_fwd in the pipelined order (plan.forward_plan, run by execute.run): each group's walk on a
+    side stream beside the later groups' chunk stage. Same kernels on the same data per chunk and per chain
+    as the plain order: bitwise the same. The outputs are allocated before, on the current stream.
+    deferred, exchange, senders (context parallelism, chunk_kda_fwd_deferred): the `senders` segments go
+    first (their walks' final states are what other ranks wait for); the walks of the `deferred` segments
+    are left out of the groups; the plan's exchange node (plan.RunExchange) runs once the whole chunk stage
+    is queued: exchange.run(prepared, final_state), after the senders' walks, gives the deferred segments'
+    entering states (in `deferred`'s order, sorted), and they are walked from them beside the other walks:
+    on the current stream after the whole chunk stage, or (exchange_beside) on a stream of its own that waits
+    for what came before this forward, the senders' walks and the chunk stage of the `summarised` segments
+    (the deferred ones whose summaries the exchange computes; default: all) only, the deferred walks then for
+    their own chunk stage - not for the rest of the chunk stage, which the walks beside it may slow: the
+    exchange goes as soon as the ranks' senders are done."""
     q = prepared["q"]
     H = q.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
     full = _walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
                          output_final_state=output_final_state)
-    sms = device_sms(q.device)
-    lengths = prepared["chain_lengths"]
-    deferred, first = sorted(deferred), tuple(sorted(senders))
-    # One group's segment in pieces (plan.pieces; one GPU: the last group, whose walk would otherwise
-    # start only once its whole chunk stage is done and then run alone at the end; CP: the rank's
-    # longest chain, first): piece p's walk starts from piece p - 1's end state (fp32, stored and
-    # loaded exactly: bitwise the one walk). Never a deferred segment (it waits for the exchange).
-    # CP (entering given): the plan ends in its exchange node (plan.Exchange).
-    plan = forward_plan(lengths, H, sms, first=first, deferred=tuple(deferred), cp=entering is not None,
-                        summarised=None if summarised is None else tuple(summarised), exchange_beside=exchange_beside)
-    bounds = piece_chunks = None
-    if plan.pieces is not None:
+    plan = forward_plan(prepared["chain_lengths"], H, device_sms(q.device), first=senders, deferred=deferred,
+                        cp=exchange is not None, summarised=summarised, exchange_beside=exchange_beside)
+    buffers = {"initial_state": initial_state, "final_state": full["final_state"]}
+    piece_chunks = None
+    if plan.pieces is not None:  # piece p's walk starts from piece p - 1's end state (fp32: bitwise one walk)
         bounds = plan.pieces.bounds
         piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
-        handoff = torch.empty(len(bounds) - 2, 1, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
-
-    def walk(i, a, b, streams, piece=None):
-        part = {name: x for name, x in full.items() if x is not None}
-        sm_count = plan.sms_of("kda_fwd_walk", i)
-        # the group's segments but the deferred ones, in runs of consecutive segments
-        runs = segment_runs({s for s in range(a, b) if s not in deferred}, len(lengths)) if deferred else [(a, b)]
-        for ra, rb in runs:
-            view = segments_view(prepared, ra, rb)
-            h0 = None if initial_state is None else initial_state[ra:rb]
-            run_out, want_final = dict(part), output_final_state
-            if "final_state" in part:
-                run_out["final_state"] = part["final_state"][ra:rb]
-            if piece is not None:  # the group is one segment: (ra, rb) == (a, b)
-                p, chunks = piece
-                view = piece_view(prepared, ra, chunks, bounds, p)
-                if p > 0:
-                    h0 = handoff[p - 1]
-                if p < len(bounds) - 2:
-                    run_out["final_state"], want_final = handoff[p], True
-            with torch.cuda.stream(streams[0]):
-                chunk_kda_walk(view, initial_state=h0, output_final_state=want_final, save_tape=save_tape,
-                               out=run_out, walk_form=walk_form, want_output=want_output, sm_count=sm_count,
-                               pool=f"kda_fwd_walk/pipeline{i}")
-
-    def exchange(groups, streams):  # plan.exchange: the collective, then the deferred segments' walks
-        node = plan.exchange
-        main = torch.cuda.current_stream(q.device)
-        on = _side_streams(q.device, 1, "kda_fwd_walk/exchange")[0] if node.beside else main
-        for i in node.after_walks:  # the senders' final states, read on that stream
-            for side in streams[i]:
-                on.wait_stream(side)
-        if node.beside:
-            on.wait_event(before)  # what came before (an earlier collective: one order on every rank)
-            if node.after_stage is not None:  # what the summaries read
-                on.wait_event(stage_done[node.after_stage])
-        try:
-            with torch.cuda.stream(on):
-                states = entering(prepared, full["final_state"])  # CP summaries and exchange
-                if node.walks_after_stage is not None:  # what their walks read
-                    on.wait_event(stage_done[node.walks_after_stage])
-                part = {name: x for name, x in full.items() if x is not None}
-                start = 0
-                for ra, rb in node.deferred_runs:
-                    n = rb - ra
-                    chunk_kda_walk(segments_view(prepared, ra, rb), initial_state=states[start:start + n],
-                                   output_final_state=True, save_tape=save_tape,
-                                   out=dict(part, final_state=full["final_state"][ra:rb]), walk_form=walk_form,
-                                   want_output=want_output, pool="kda_fwd_walk/deferred")
-                    start += n
-        finally:
-            if on is not main:
-                main.wait_stream(on)
-    stage_done = {} if exchange_beside else None
-    before = torch.cuda.current_stream(q.device).record_event() if exchange_beside else None
-    _pipelined(prepared, initial_state, ("pipeline",), walk, plan, piece_chunks,
-               exchange if plan.exchange is not None else None, stage_done=stage_done)
+        buffers["handoff"] = torch.empty(len(bounds) - 2, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    execute.run(plan, execute.Call(prepared, buffers, full, save_tape=save_tape, want_output=want_output,
+                                   walk_form=walk_form, piece_chunks=piece_chunks, exchange=exchange))
     saved = dict(prepared, initial_state=initial_state, **full)
     if not save_tape:
         saved["akk_inv"] = None
     return full["o"], full["final_state"], saved
 
 
-def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, entering, save_tape,
+def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, exchange, save_tape,
                            senders=(), exchange_beside=False, summarised=None):
     """The pipelined forward (output and final states) for context parallelism: the chunk stage a
     segment group at a time, the walks of the segments whose entering state is known here
     (initial_state's rows; the `deferred` rows are not read) beside it, the `senders` segments first;
-    once the chunk stage is queued and the senders' walks are done, entering(prepared, final_state) -
+    once the chunk stage is queued and the senders' walks are done, exchange.run(prepared, final_state) -
     the summaries that read the chunk stage, the senders' final states, the exchange - returns the
-    deferred segments' entering states [len(deferred), H, 128, 128] fp32 (sorted order), and their
-    walks run beside the others. entering is called on every call (the exchange is collective).
-    exchange_beside, summarised: see _fwd_pipelined (the tensors entering makes are then made on that
-    stream; summarised: the deferred segments entering reads the chunk stage of, default all).
+    deferred segments' entering states [len(deferred), H, 128, 128] (sorted order; used as fp32), and their
+    walks run beside the others. The exchange runs on every call (it is collective).
+    exchange_beside, summarised: see _fwd_pipelined (the tensors the exchange makes are then made on that
+    stream; summarised: the deferred segments it reads the chunk stage of, default all).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
     o, final, saved = _fwd_pipelined(prepared, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, walk_form=None, want_output=True, deferred=deferred,
-                                     entering=entering, senders=senders, exchange_beside=exchange_beside,
+                                     exchange=exchange, senders=senders, exchange_beside=exchange_beside,
                                      summarised=summarised)
     saved["initial_state"] = None  # its deferred rows were placeholders (the backward reads the tape)
     return o, final, saved

@@ -1,12 +1,13 @@
 """Launch plans of the pipelined orders: which chunk-stage launches run in which order, which segment
-group's walks follow each of them, on how many SMs those walks are planned. A plan is data, built by
-one planner from the pack's chain lengths, the head count and the SM count (and, for context
-parallelism, the segments that are sent or wait for the exchange); the executors in kda.py run it.
+group's walks follow each of them, on how many SMs those walks are planned, on which streams, waiting for
+what. A plan is data, built by one planner from the pack's chain lengths, the head count and the SM count
+(and, for context parallelism, the segments that are sent or wait for the exchange), cached per key;
+its `nodes` are what the executor (execute.py) runs, one kind of node to one launcher.
 
     forward_plan(chain_lengths, heads, sms)           the pipelined forward (chunk_kda_fwd); with cp=True
                                                       and the deferred segments, its exchange node (CP)
     replay_plan(chain_lengths, heads, sms)            the replay's walks beside its chunk stage
-    print(plan) / plan.explain()                      the schedule, one launch a line
+    print(plan) / plan.explain()                      the schedule, one node a line
 
 Decisions come from the fit rule (fit.plan_pipeline, fit.pieced_group, fit.pipelined_walk_sms); the
 plan only puts them in one place and in launch order.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from . import fit
+from .. import options
 
 # The walk programs each plan kind runs beside its chunk stage, and how many walks share the GPU.
 _WALKS = {"forward": ("kda_fwd_walk",), "replay": ("kda_fwd_walk", "kda_bwd_walk")}
@@ -62,7 +64,7 @@ def walks_ready(order, n: int) -> tuple:
 @dataclass(frozen=True)
 class Exchange:
     """Context parallelism's step inside the pipelined forward, once every chunk-stage launch is queued: the
-    collective (the summaries and the exchange: the executor's `entering`) gives the deferred segments their
+    collective (the summaries and the exchange: the node RunExchange) gives the deferred segments their
     entering states, and their walks follow it. The groups are the plan's, by index."""
     after_walks: Tuple[int, ...]           # groups whose walks write the senders' final states, which it sends
     after_stage: Optional[int]             # beside: the group whose chunk stage (queued last of those that
@@ -72,18 +74,120 @@ class Exchange:
     beside: bool                           # on a stream of its own, which waits for what came before the
     #                                        forward and for those launches only; else the current stream,
     #                                        after the whole chunk stage
+    summarised: Tuple[int, ...] = ()       # the deferred segments whose chunk stage the summaries read
 
-    def explain(self) -> str:
-        where = ("on its own stream, after what came before the forward" if self.beside else
-                 "on the current stream, after the whole chunk stage")
-        waits = [f"the walks of groups {list(self.after_walks)}"] if self.after_walks else []
-        if self.after_stage is not None:
-            waits.append(f"group {self.after_stage}'s chunk stage")
-        then = ", ".join(f"segments [{a}, {b})" for a, b in self.deferred_runs) or "nothing"
-        if self.walks_after_stage is not None and self.deferred_runs:
-            then += f" (after group {self.walks_after_stage}'s chunk stage)"
-        return (f"  then the exchange {where}" + (f", waiting for {' and '.join(waits)}" if waits else "")
-                + f"; then the deferred walks: {then}")
+
+# The nodes of a plan, in the order the executor runs them (execute.run: one launcher per kind of node).
+
+@dataclass(frozen=True)
+class Stream:
+    """Where a node runs: the current stream (main), side stream `lane` of group `group` (one pool of side
+    streams per walk program that runs at the same time: PipelinePlan.pools), or the exchange's own."""
+    kind: str  # "main" | "side" | "exchange"
+    group: int = 0
+    lane: int = 0
+
+    def __str__(self) -> str:
+        return f"side {self.group}.{self.lane}" if self.kind == "side" else self.kind
+
+
+MAIN, EXCHANGE = Stream("main"), Stream("exchange")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows [first, end) of one of a run's state buffers: initial_state, final_state, dfinal_state,
+    dinitial_state (a row per segment), handoff, fwd_handoff, bwd_handoff (a row per boundary between
+    pieces), entering (the exchange's states, in the deferred segments' order); a buffer the run lacks is None."""
+    buffer: str
+    first: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{self.buffer}[{self.first}:{self.end}]"
+
+
+@dataclass(frozen=True)
+class ChunkStage:
+    """kda_fwd_chunk over chunks [first, end) on the current stream: group `group`'s, or its piece `piece`."""
+    first: int
+    end: int
+    group: int
+    piece: Optional[int]
+    what: str
+
+    def __str__(self) -> str:
+        return f"main: chunk stage of chunks [{self.first}, {self.end}) ({self.what})"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """`stream` waits for what is queued on `on` so far. join: run also when a node before it raised, since
+    queued work may still read the caller's tensors."""
+    stream: Stream
+    on: Stream
+    join: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.stream} waits for {self.on}" + (" (join)" if self.join else "")
+
+
+@dataclass(frozen=True)
+class Record:
+    """An event recorded on the current stream, named for what is queued there by then."""
+    event: str
+
+    def __str__(self) -> str:
+        return f"main: record event '{self.event}'"
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    """`stream` waits for a recorded event."""
+    stream: Stream
+    event: str
+
+    def __str__(self) -> str:
+        return f"{self.stream} waits for event '{self.event}'"
+
+
+@dataclass(frozen=True)
+class Walk:
+    """A state walk on `stream`: `program` over segments [first, end), or over piece `piece` of segment `first`,
+    from the state in `start` (kda_bwd_walk: the exit-state gradient; None: zero) into `into` (the exit state;
+    kda_bwd_walk: the entering-state gradient; None: not written), its forms planned on `sms` SMs (None: the
+    device's), a mixed plan's side streams from pool `pool`."""
+    program: str
+    stream: Stream
+    first: int
+    end: int
+    piece: Optional[int]
+    start: Optional[Rows]
+    into: Optional[Rows]
+    sms: Optional[int]
+    pool: str
+
+    def __str__(self) -> str:
+        what = (f"piece {self.piece} of segment {self.first}" if self.piece is not None
+                else f"segments [{self.first}, {self.end})")
+        sms = "the device's SMs" if self.sms is None else f"{self.sms} SMs"
+        return (f"{self.stream}: {self.program} over {what} on {sms}, from {self.start or 'zero'} "
+                f"into {self.into or 'nothing'}")
+
+
+@dataclass(frozen=True)
+class RunExchange:
+    """Context parallelism's collective on `stream`: the summaries of segments `summarised` (reading their chunk
+    stage), the final states of segments `sends` (their walks'), the exchange; it gives the deferred segments
+    `gives` their entering states (buffer `entering`, in that order). The run's exchange object performs it."""
+    stream: Stream
+    summarised: Tuple[int, ...]
+    sends: Tuple[int, ...]
+    gives: Tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (f"{self.stream}: the exchange (summaries of segments {list(self.summarised)}, final states of "
+                f"segments {list(self.sends)} sent), giving segments {list(self.gives)} their entering states")
 
 
 @dataclass(frozen=True)
@@ -99,6 +203,9 @@ class PipelinePlan:
     first: Tuple[int, ...] = ()                # segments that go first (CP: the senders)
     deferred: Tuple[int, ...] = ()             # segments whose walk waits for the exchange (CP)
     exchange: Optional[Exchange] = None        # CP: the exchange and the deferred walks, after the launches
+    skip_bwd: Tuple[int, ...] = ()             # replay: segments whose backward walk is left out
+    pools: Tuple[str, ...] = ()                # the side-stream pool of each lane (a walk program at a time)
+    nodes: tuple = ()                          # what the executor runs, in order
 
     def sms_of(self, program: str, group: int) -> int:
         return dict(self.walk_sms)[program][group]
@@ -120,23 +227,9 @@ class PipelinePlan:
                 f"H = {self.heads}, walks planned on {self.sms} SMs")
         if self.first or self.deferred:
             head += f"; first {list(self.first)}, deferred {list(self.deferred)}"
-        lines = [head]
-        for step, (g, p) in enumerate(self.launches):
-            c0, c1 = self.chunk_range(g, p)
-            a, b = self.groups[g]
-            what = f"piece {p} of segment {a}" if p is not None else f"segments [{a}, {b})"
-            if all(s in self.deferred for s in range(a, b)):
-                lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}): walked after the exchange")
-                continue
-            walks = ", ".join(f"{prog} on {self.sms_of(prog, g)} SMs" for prog, _ in self.walk_sms)
-            if p is not None and self.kind == "replay":
-                fwd, bwd = self.pieces.walks[self.pieces.order.index(p)]
-                walks += f"; through pieces: forward {list(fwd)}, backward {list(bwd)}"
-            lines.append(f"  {step:2d}. chunk stage of chunks [{c0}, {c1}) ({what}), then beside what follows: "
-                         f"group {g}'s walks ({walks})")
-        if self.exchange is not None:
-            lines.append(self.exchange.explain())
-        return "\n".join(lines)
+        if self.skip_bwd:
+            head += f"; no backward walk of {list(self.skip_bwd)}"
+        return "\n".join([head] + [f"  {step:2d}. {node}" for step, node in enumerate(self.nodes)])
 
     def groups_of(self, segments) -> Tuple[int, ...]:
         """The groups that hold any of `segments`."""
@@ -167,44 +260,157 @@ def _launch_order(groups, pieces: Optional[Pieces], first: tuple, lead: bool) ->
     return tuple(rest[:k] + cut + rest[k:])
 
 
-def forward_plan(chain_lengths, heads: int, sms: int, *, first: tuple = (), deferred: tuple = (),
-                 cp: bool = False, summarised: Optional[tuple] = None, exchange_beside: bool = False) -> PipelinePlan:
+def _chunk_stage(plan: PipelinePlan, group: int, piece: Optional[int], lanes: int) -> list:
+    """A launch's chunk stage, then the group's side streams (one per lane) wait for it."""
+    c0, c1 = plan.chunk_range(group, piece)
+    a, b = plan.groups[group]
+    what = f"piece {piece} of segment {a}" if piece is not None else f"segments [{a}, {b})"
+    if piece is None and all(s in plan.deferred for s in range(a, b)):
+        what += ", walked after the exchange"
+    return [ChunkStage(c0, c1, group, piece, what)] + [Wait(Stream("side", group, lane), MAIN)
+                                                       for lane in range(lanes)]
+
+
+def _joins(plan: PipelinePlan) -> tuple:
+    """The current stream waits for every side stream, lane by lane."""
+    return tuple(Wait(MAIN, Stream("side", g, lane), join=True)
+                 for lane in range(len(plan.pools)) for g in range(len(plan.groups)))
+
+
+def _forward_nodes(plan: PipelinePlan) -> tuple:
+    """Each launch's chunk stage, then its group's walks (the segments not deferred, in runs; a piece from the
+    piece before's end state) on the group's side stream; then the exchange node's; then the joins."""
+    ex = plan.exchange
+    beside = ex is not None and ex.beside
+    events = {g for g in (ex.after_stage, ex.walks_after_stage) if g is not None} if beside else set()
+    n = 0 if plan.pieces is None else len(plan.pieces.bounds) - 1
+    nodes = [Record("before")] if beside else []
+    for i, p in plan.launches:
+        nodes += _chunk_stage(plan, i, p, 1)
+        if p is None and i in events:
+            nodes.append(Record(f"stage {i}"))
+        walk = dict(stream=Stream("side", i, 0), sms=plan.sms_of("kda_fwd_walk", i), pool=f"kda_fwd_walk/pipeline{i}")
+        a, b = plan.groups[i]
+        if p is not None:  # the group is one segment
+            start = Rows("initial_state", a, a + 1) if p == 0 else Rows("handoff", p - 1, p)
+            into = Rows("handoff", p, p + 1) if p < n - 1 else Rows("final_state", a, a + 1)
+            nodes.append(Walk("kda_fwd_walk", first=a, end=a + 1, piece=p, start=start, into=into, **walk))
+            continue
+        runs = (segment_runs({s for s in range(a, b) if s not in plan.deferred}, len(plan.chain_lengths))
+                if plan.deferred else [(a, b)])
+        nodes += [Walk("kda_fwd_walk", first=ra, end=rb, piece=None, start=Rows("initial_state", ra, rb),
+                       into=Rows("final_state", ra, rb), **walk) for ra, rb in runs]
+    if ex is not None:
+        on = EXCHANGE if beside else MAIN
+        nodes += [Wait(on, Stream("side", g, 0)) for g in ex.after_walks]  # the senders' final states
+        if beside:
+            nodes.append(WaitEvent(on, "before"))  # an earlier collective: one order on every rank
+            if ex.after_stage is not None:
+                nodes.append(WaitEvent(on, f"stage {ex.after_stage}"))  # what the summaries read
+        nodes.append(RunExchange(on, ex.summarised, plan.first, plan.deferred))
+        if ex.walks_after_stage not in (None, ex.after_stage):
+            nodes.append(WaitEvent(on, f"stage {ex.walks_after_stage}"))  # what the deferred walks read
+        start = 0
+        for ra, rb in ex.deferred_runs:
+            nodes.append(Walk("kda_fwd_walk", on, ra, rb, None, Rows("entering", start, start + rb - ra),
+                              Rows("final_state", ra, rb), None, "kda_fwd_walk/deferred"))
+            start += rb - ra
+        if beside:
+            nodes.append(Wait(MAIN, on, join=True))
+    return tuple(nodes) + _joins(plan)
+
+
+def _replay_nodes(plan: PipelinePlan) -> tuple:
+    """Each launch's chunk stage, then its group's forward walk (lane 0) and backward walk (lane 1; not of
+    plan.skip_bwd); a piece's launch walks the pieces plan.pieces.walks says are ready, each from its
+    neighbour's end state; then the joins."""
+    n = 0 if plan.pieces is None else len(plan.pieces.bounds) - 1
+    nodes = []
+    for i, p in plan.launches:
+        nodes += _chunk_stage(plan, i, p, 2)
+        fwd = dict(stream=Stream("side", i, 0), sms=plan.sms_of("kda_fwd_walk", i), pool=f"kda_fwd_walk/replay{i}")
+        bwd = dict(stream=Stream("side", i, 1), sms=plan.sms_of("kda_bwd_walk", i), pool=f"kda_bwd_walk/replay{i}")
+        a, b = plan.groups[i]
+        if p is not None:  # the group is one segment
+            forward_pieces, backward_pieces = plan.pieces.walks[plan.pieces.order.index(p)]
+            for r in forward_pieces:
+                start = Rows("initial_state", a, a + 1) if r == 0 else Rows("fwd_handoff", r - 1, r)
+                into = Rows("fwd_handoff", r, r + 1) if r < n - 1 else None
+                nodes.append(Walk("kda_fwd_walk", first=a, end=a + 1, piece=r, start=start, into=into, **fwd))
+            for r in () if a in plan.skip_bwd else backward_pieces:
+                start = Rows("dfinal_state", a, a + 1) if r == n - 1 else Rows("bwd_handoff", r, r + 1)
+                into = Rows("dinitial_state", a, a + 1) if r == 0 else Rows("bwd_handoff", r - 1, r)
+                nodes.append(Walk("kda_bwd_walk", first=a, end=a + 1, piece=r, start=start, into=into, **bwd))
+            continue
+        nodes.append(Walk("kda_fwd_walk", first=a, end=b, piece=None, start=Rows("initial_state", a, b), into=None,
+                          **fwd))
+        runs = (segment_runs({s for s in range(a, b) if s not in plan.skip_bwd}, len(plan.chain_lengths))
+                if plan.skip_bwd else [(a, b)])
+        nodes += [Walk("kda_bwd_walk", first=ra, end=rb, piece=None, start=Rows("dfinal_state", ra, rb),
+                       into=Rows("dinitial_state", ra, rb), **bwd) for ra, rb in runs]
+    return tuple(nodes) + _joins(plan)
+
+
+def _segments(segments) -> tuple:
+    return tuple(sorted(int(s) for s in segments))
+
+
+def _planner_reads(cp: bool) -> tuple:
+    """What the planner reads besides its arguments, part of the cache key: the GPU's fit table and, for
+    context parallelism, Options.cp_piece_senders (fit.pieced_group)."""
+    return str(fit.params_file()), bool(options.current().cp_piece_senders) if cp else None
+
+
+def forward_plan(chain_lengths, heads: int, sms: int, *, first=(), deferred=(), cp: bool = False,
+                 summarised=None, exchange_beside: bool = False) -> PipelinePlan:
     """The pipelined forward: the chunk stage a group at a time, each group's forward walk beside the
     later groups' chunk stage; one group's segment in pieces (fit.pieced_group: one GPU, the last group;
     CP, the rank's longest chain not deferred, whose first pieces lead). cp: the plan ends in the exchange
-    node (Exchange) that walks the `deferred` segments; summarised (default: all deferred) the deferred
-    segments whose chunk stage the exchange's summaries read, exchange_beside its stream."""
-    lengths = tuple(int(n) for n in chain_lengths)
-    first, deferred = tuple(sorted(first)), tuple(sorted(deferred))
+    node (Exchange, RunExchange) that walks the `deferred` segments; summarised (default: all deferred) the
+    deferred segments whose chunk stage the exchange's summaries read, exchange_beside its stream. Cached:
+    the same key gives the same (immutable) plan."""
+    return _forward_plan(tuple(int(n) for n in chain_lengths), int(heads), int(sms), _segments(first),
+                         _segments(deferred), bool(cp), None if summarised is None else _segments(summarised),
+                         bool(exchange_beside), _planner_reads(cp))
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_plan(lengths: tuple, heads: int, sms: int, first: tuple, deferred: tuple, cp: bool,
+                  summarised: Optional[tuple], beside: bool, reads: tuple) -> PipelinePlan:
     groups = tuple(fit.plan_pipeline(lengths, first))
     chosen = fit.pieced_group(lengths, first, deferred, cp)
     pieces = None if chosen is None else Pieces(chosen[0], tuple(chosen[1]), tuple(range(len(chosen[1]) - 1)))
     sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first,
                                           pieces is not None and i == pieces.group)
                    for i in range(len(groups)))
-    plan = PipelinePlan("forward", lengths, int(heads), int(sms), groups, _launch_order(groups, pieces, first, cp),
-                        pieces, (("kda_fwd_walk", sms_of),), first, deferred)
-    if not cp:
-        return plan
-    summarised = deferred if summarised is None else tuple(sorted(summarised))
-    if not set(summarised) <= set(deferred):
-        raise ValueError(f"summarised segments {list(summarised)} must be deferred ones ({list(deferred)})")
-    runs = tuple(segment_runs(set(deferred), len(lengths)))
-    beside = bool(exchange_beside)
-    exchange = Exchange(plan.groups_of(first), plan.last_queued(plan.groups_of(summarised)) if beside else None,
-                        plan.last_queued(plan.groups_of(deferred)) if beside else None, runs, beside)
-    return replace(plan, exchange=exchange)
+    plan = PipelinePlan("forward", lengths, heads, sms, groups, _launch_order(groups, pieces, first, cp),
+                        pieces, (("kda_fwd_walk", sms_of),), first, deferred, pools=("pipeline",))
+    if cp:
+        summarised = deferred if summarised is None else summarised
+        if not set(summarised) <= set(deferred):
+            raise ValueError(f"summarised segments {list(summarised)} must be deferred ones ({list(deferred)})")
+        runs = tuple(segment_runs(set(deferred), len(lengths)))
+        plan = replace(plan, exchange=Exchange(
+            plan.groups_of(first), plan.last_queued(plan.groups_of(summarised)) if beside else None,
+            plan.last_queued(plan.groups_of(deferred)) if beside else None, runs, beside, summarised))
+    return replace(plan, nodes=_forward_nodes(plan))
 
 
-def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False) -> PipelinePlan:
+def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False, skip_bwd=()) -> PipelinePlan:
     """The replay's walks in the pipelined order: each group's forward and backward walks (two side
     streams, each planned on half the SMs) beside the later groups' chunk stage. pieced (the CP replay):
     the longest chain's chunk stage a piece at a time, first and last piece first, then the second and
     the last but one, ...: the forward walk goes through the pieces from the front, the backward walk
-    from the back, so both start after one piece's chunk stage."""
-    lengths = tuple(int(n) for n in chain_lengths)
+    from the back, so both start after one piece's chunk stage. skip_bwd (CP): segments whose backward
+    walk is left out. Cached: the same key gives the same (immutable) plan."""
+    return _replay_plan(tuple(int(n) for n in chain_lengths), int(heads), int(sms), bool(pieced),
+                        _segments(skip_bwd), _planner_reads(bool(pieced)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: tuple, reads: tuple) -> PipelinePlan:
     groups = tuple(fit.plan_pipeline(lengths))
-    half = max(1, int(sms) // 2)
+    half = max(1, sms // 2)
     chosen = fit.pieced_group(lengths, cp=True) if pieced else None
     pieces = None
     if chosen is not None:
@@ -213,5 +419,12 @@ def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False) ->
         pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n))
     walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2)
                                   for i in range(len(groups)))) for prog in _WALKS["replay"])
-    return PipelinePlan("replay", lengths, int(heads), half, groups,
-                        _launch_order(groups, pieces, (), pieces is not None), pieces, walk_sms)
+    plan = PipelinePlan("replay", lengths, heads, half, groups, _launch_order(groups, pieces, (), pieces is not None),
+                        pieces, walk_sms, skip_bwd=skip_bwd, pools=("replay/pipeline-fwd", "replay/pipeline-bwd"))
+    return replace(plan, nodes=_replay_nodes(plan))
+
+
+def cache_clear():
+    """Forget the cached plans (a test that changes what the planner reads)."""
+    _forward_plan.cache_clear()
+    _replay_plan.cache_clear()
