@@ -451,3 +451,44 @@ def test_a_failing_launch_still_joins_the_side_streams(emulated, monkeypatch):
     assert len(calls) == 2 and sides and main not in sides
     for side in sides:
         assert main.clock.get(side.id, 0) >= side.launched > 0
+
+
+def test_a_failing_launch_joins_only_the_streams_it_forked(emulated, monkeypatch):
+    """Under CUDA-graph capture the current stream may wait only on streams that waited on it first: the
+    error path joins the streams this run forked (the side streams its walks ran on) and no other (the
+    CP exchange's, never forked when the failure comes before the exchange node), each join on its own."""
+    q, k, v, g, beta, cu, h0, _, _ = _inputs([300, 129, 700, 64], 2, SEED + 6)
+    waited, joined = set(), []
+    wait_stream = _Stream.wait_stream
+
+    def recorded(self, other):
+        if self is emulated.current[0]:
+            joined.append(other)
+        else:
+            waited.add(self)
+        wait_stream(self, other)
+    monkeypatch.setattr(_Stream, "wait_stream", recorded)
+    walk = kda.chunk_kda_walk
+
+    def first_fails(*args, **kwargs):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(kda, "chunk_kda_walk", first_fails)
+    exchange = SimpleNamespace(run=lambda prepared, final_state: pytest.fail("the exchange ran after a failure"))
+    with pytest.raises(RuntimeError, match="launch failed"):
+        kda.chunk_kda_fwd_deferred(q, k, v, g, beta, cu_seqlens=cu, scale=None, initial_state=h0, deferred=[1, 3],
+                                   exchange=exchange, save_tape=False, exchange_beside=True)
+    assert joined and all(s in waited for s in joined)
+    monkeypatch.setattr(kda, "chunk_kda_walk", walk)
+
+
+def test_a_call_names_every_buffer_its_plan_reads():
+    """A node's Rows name a buffer of the call: None where the call has none (no initial state), an error
+    where the call lacks the name (a piece walked from zeros would be wrong bits, not an error)."""
+    from kda_aot.schedule import execute
+    call = execute.Call(prepared={}, buffers={"initial_state": None, "handoff": torch.arange(6.0).view(3, 2)},
+                        outputs={})
+    assert call.rows(None) is None
+    assert call.rows(plan.Rows("initial_state", 0, 1)) is None
+    assert call.rows(plan.Rows("handoff", 1, 2)).tolist() == [[2.0, 3.0]]
+    with pytest.raises(KeyError):
+        call.rows(plan.Rows("fwd_handoff", 0, 1))

@@ -33,7 +33,11 @@ class Call:
     events: dict = field(default_factory=dict)
 
     def rows(self, ref: Optional[Rows]):
-        buffer = None if ref is None else self.buffers.get(ref.buffer)
+        """The rows a node names; None for no reference or a buffer given as None. A name the call does not
+        hold raises: a piece walked from zeros, its state never written, would be wrong bits, not an error."""
+        if ref is None:
+            return None
+        buffer = self.buffers[ref.buffer]
         return None if buffer is None else buffer[ref.first:ref.end]
 
 
@@ -46,6 +50,7 @@ class _Streams:
         self.main = torch.cuda.current_stream(device)
         self.sides = [kda._side_streams(device, len(plan.groups), pool) for pool in plan.pools]
         self.exchange = None
+        self.forked = set()  # the plan's streams that waited on another in this run (under capture: captured)
 
     def __call__(self, stream: Stream):
         if stream.kind == "main":
@@ -63,6 +68,7 @@ def _chunk_stage(node: ChunkStage, plan, call: Call, streams):
 
 def _wait(node: Wait, plan, call: Call, streams):
     streams(node.stream).wait_stream(streams(node.on))
+    streams.forked.add(node.stream)
 
 
 def _record(node: Record, plan, call: Call, streams):
@@ -71,6 +77,7 @@ def _record(node: Record, plan, call: Call, streams):
 
 def _wait_event(node: WaitEvent, plan, call: Call, streams):
     streams(node.stream).wait_event(call.events[node.event])
+    streams.forked.add(node.stream)
 
 
 def _view(node: Walk, plan: PipelinePlan, call: Call) -> dict:
@@ -116,14 +123,18 @@ _LAUNCHERS = {ChunkStage: _chunk_stage, Wait: _wait, Record: _record, WaitEvent:
 
 
 def run(plan: PipelinePlan, call: Call):
-    """Run the plan's nodes in order; when one raises, the joins after it still run (queued work may still
-    read the caller's tensors), then the error goes on."""
+    """Run the plan's nodes in order; when one raises, the joins after it still run for the streams this run
+    forked (queued work may still read the caller's tensors; under CUDA-graph capture a join of a stream
+    that never waited on the captured one would itself fail), each on its own, then the error goes on."""
     streams = _Streams(plan, call.prepared["q"].device)
     for step, node in enumerate(plan.nodes):
         try:
             _LAUNCHERS[type(node)](node, plan, call, streams)
         except BaseException:
             for later in plan.nodes[step + 1:]:
-                if isinstance(later, Wait) and later.join:
-                    _wait(later, plan, call, streams)
+                if isinstance(later, Wait) and later.join and later.on in streams.forked:
+                    try:
+                        _wait(later, plan, call, streams)
+                    except Exception:  # the first error is the one to report
+                        pass
             raise

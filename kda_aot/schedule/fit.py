@@ -452,3 +452,10 @@ def piece_lengths(n: int, pieces: int) -> list:
     """n chunks cut into `pieces` runs as equal as they come, longer ones first."""
     base, extra = divmod(n, pieces)
     return [base + (1 if i < extra else 0) for i in range(pieces)]
+
+
+def cache_clear():
+    """Forget every decision derived from a fit table (a test or a tool that changes PARAMS_FILE or its
+    contents); the current GPU's name stays."""
+    for cached in (_table, measured_rho, _decide, pipelined_walk_sms, rewalk_beside, summary_pieces):
+        cached.cache_clear()

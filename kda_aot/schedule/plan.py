@@ -98,7 +98,8 @@ MAIN, EXCHANGE = Stream("main"), Stream("exchange")
 class Rows:
     """Rows [first, end) of one of a run's state buffers: initial_state, final_state, dfinal_state,
     dinitial_state (a row per segment), handoff, fwd_handoff, bwd_handoff (a row per boundary between
-    pieces), entering (the exchange's states, in the deferred segments' order); a buffer the run lacks is None."""
+    pieces), entering (the exchange's states, in the deferred segments' order); a buffer the run holds as None
+    (no initial state) gives None."""
     buffer: str
     first: int
     end: int
@@ -425,6 +426,8 @@ def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: t
 
 
 def cache_clear():
-    """Forget the cached plans (a test that changes what the planner reads)."""
+    """Forget the cached plans and the fit rule's decisions they were built from (a test that changes what
+    the planner reads)."""
     _forward_plan.cache_clear()
     _replay_plan.cache_clear()
+    fit.cache_clear()
