@@ -11,21 +11,29 @@ from test_kda_fwd_gpu import rng
 pytestmark = gpu
 
 
-@pytest.mark.parametrize("mode,plan,pipeline", [
-    ("replay", None, "0"), ("saved", None, "0"),
-    ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)), "0"),
-    ("saved", None, "1"), ("replay", None, "1")],
-    ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined", "replay-pipelined"])
-def test_b3_step_captures_and_replays_bitwise(monkeypatch, kda_options, mode, plan, pipeline):
+PACK, PIECED = [700, 1, 64, 300], [3000, 2200]
+
+
+@pytest.mark.parametrize("mode,plan,pipeline,lens", [
+    ("replay", None, "0", PACK), ("saved", None, "0", PACK),
+    ("replay", (("split", 0, 1), ("full", 1, 3), ("split", 3, 4)), "0", PACK),
+    ("saved", None, "1", PACK), ("replay", None, "1", PACK),
+    ("saved", None, "1", PIECED), ("replay", None, "1", PIECED)],
+    ids=["replay", "saved", "replay-mixed-walks", "saved-pipelined", "replay-pipelined", "saved-pieces",
+         "replay-pieces"])
+def test_b3_step_captures_and_replays_bitwise(monkeypatch, kda_options, mode, plan, pipeline, lens):
     """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk;
-    pipeline: the pipelined forward and replay (Options.pipeline), the groups' walks on side streams."""
+    pipeline: the pipelined forward and replay (Options.pipeline), the groups' walks on side streams;
+    PIECED: the last group's chain walked in pieces (the handoff buffers, the replay's walks from both ends)."""
+    from kda_aot.schedule import fit
     kda_options(pipeline=pipeline == "1")
     if plan is not None:
-        from kda_aot.schedule import fit
         monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)
-    H, lens = 4, [700, 1, 64, 300]
+    if lens is PIECED:
+        assert fit.last_group_pieces(tuple((n + 63) // 64 for n in lens)) is not None
+    H = 4
     T, D = sum(lens), H * 128
-    gen = rng(("graph", mode, plan))
+    gen = rng(("graph", mode, plan, len(lens)))
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)          # on the CPU
     torch.manual_seed(7)
     m = PackedKDA(H, 128, conv_bias=True, backend="cuda", backward=mode).cuda()
