@@ -29,42 +29,38 @@ for tree in "$A" "$B"; do
     > "$W/build_$(basename "$tree").log" 2>&1 || { tail -30 "$W/build_$(basename "$tree").log"; exit 1; }
 done
 stamp "built A ($A) and B ($B, $PATCH applied)"
+# in_tree DIR SECONDS LOG COMMAND: COMMAND from DIR's root, DIR's package first on the path, capped.
+in_tree() {
+  timeout -s INT -k 10 "$(cap "$2")" bash -c "cd $1 && PYTHONPATH=$1:\${PYTHONPATH:-} $4" > "$3" 2>&1
+}
+# ab NAME SECONDS COMMAND: COMMAND in A, B, A, B (ARM and ROUND exported to it), logs NAME_ARM_ROUND.log.
+ab() {
+  for ROUND in 1 2; do
+    for ARM in A B; do
+      export ARM ROUND
+      in_tree "$([ "$ARM" = A ] && echo "$A" || echo "$B")" "$2" "$W/$1_${ARM}_$ROUND.log" "$3"
+      stamp "$1 $ARM round $ROUND: rc $? $(grep '^timing' "$W/$1_${ARM}_$ROUND.log" | tr '\n' ' ')"
+    done
+  done
+}
 for step in ${STEPS:-tests sanitize timing}; do
   case $step in
     tests)
-      timeout -s INT -k 15 "$(cap ${TESTS_S:-200})" bash -c "cd $B && PYTHONPATH=$B:\${PYTHONPATH:-} python3 -m pytest \
-        -q -rs ${TESTS:-tests/test_kda_fwd_gpu.py tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py}" \
-        > "$W/pytest_B.log" 2>&1
+      in_tree "$B" "${TESTS_S:-200}" "$W/pytest_B.log" \
+        "python3 -m pytest -q -rs ${TESTS:-tests/test_kda_fwd_gpu.py tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py}"
       stamp "tests B: $(tail -1 "$W/pytest_B.log")"; grep -E "^(FAILED|ERROR)" "$W/pytest_B.log" | head -20 ;;
     sanitize)
       for tool in memcheck racecheck; do
-        timeout -s INT -k 10 "$(cap 150)" bash -c "cd $B && PYTHONPATH=$B:\${PYTHONPATH:-} compute-sanitizer \
-          --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py" > "$W/sanitizer_$tool.log" 2>&1
+        in_tree "$B" 150 "$W/sanitizer_$tool.log" \
+          "compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py"
         stamp "compute-sanitizer $tool on B: exit $? $(tail -1 "$W/sanitizer_$tool.log")"
       done ;;
     timing)
-      for round in 1 2; do
-        for tree in "$A" "$B"; do
-          name=$(basename "$tree")
-          timeout -s INT -k 10 "$(cap 90)" bash -c "cd $tree && PYTHONPATH=$tree:\${PYTHONPATH:-} python3 \
-            bench/numerics.py --timing --only-timing --no-fla --out $W/timing_${name}_$round" \
-            > "$W/timing_${name}_$round.log" 2>&1
-          stamp "timing $([ "$tree" = "$A" ] && echo A || echo B) round $round: $(grep '^timing' \
-            "$W/timing_${name}_$round.log" | tr '\n' ' ')"
-        done
-      done ;;
+      ab timing 90 "python3 bench/numerics.py --timing --only-timing --no-fla --out $W/timing_\${ARM}_\$ROUND" ;;
     cmd)
-      for round in 1 2; do
-        for tree in "$A" "$B"; do
-          arm=$([ "$tree" = "$A" ] && echo A || echo B)
-          timeout -s INT -k 10 "$(cap ${CMD_S:-60})" bash -c "cd $tree && PYTHONPATH=$tree:\${PYTHONPATH:-} $AB_CMD" \
-            > "$W/cmd_${arm}_$round.log" 2>&1
-          stamp "cmd $arm round $round: rc $?"
-        done
-      done ;;
+      ab cmd "${CMD_S:-60}" "$AB_CMD" ;;
     numerics)
-      timeout -s INT -k 10 "$(cap ${NUMERICS_S:-300})" bash -c "cd $B && PYTHONPATH=$B:\${PYTHONPATH:-} python3 \
-        bench/numerics.py --out $W ${NUMERICS_ARGS:-}" > "$W/numerics_B.log" 2>&1
+      in_tree "$B" "${NUMERICS_S:-300}" "$W/numerics_B.log" "python3 bench/numerics.py --out $W ${NUMERICS_ARGS:-}"
       stamp "numerics B: $(tail -3 "$W/numerics_B.log" | tr '\n' ' ')" ;;
   esac
 done

@@ -250,7 +250,6 @@ def emulated(monkeypatch):
     monkeypatch.setattr(kda, "_side_streams", side_streams)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: order.current[-1])
     monkeypatch.setattr(torch.cuda, "stream", on)
-    fit.pipelined_walk_sms.cache_clear()
     plan.cache_clear()
     return order
 
@@ -468,7 +467,6 @@ def test_a_failing_launch_joins_only_the_streams_it_forked(emulated, monkeypatch
             waited.add(self)
         wait_stream(self, other)
     monkeypatch.setattr(_Stream, "wait_stream", recorded)
-    walk = kda.chunk_kda_walk
 
     def first_fails(*args, **kwargs):
         raise RuntimeError("launch failed")
@@ -478,7 +476,6 @@ def test_a_failing_launch_joins_only_the_streams_it_forked(emulated, monkeypatch
         kda.chunk_kda_fwd_deferred(q, k, v, g, beta, cu_seqlens=cu, scale=None, initial_state=h0, deferred=[1, 3],
                                    exchange=exchange, save_tape=False, exchange_beside=True)
     assert joined and all(s in waited for s in joined)
-    monkeypatch.setattr(kda, "chunk_kda_walk", walk)
 
 
 def test_a_call_names_every_buffer_its_plan_reads():

@@ -13,7 +13,7 @@ from . import execute, fit, kda
 from .. import options
 from .._runtime import registry
 from .._runtime.packing import CHUNK
-from .._runtime.tensor import host_table_to, out_or
+from .._runtime.tensor import out_or
 from .plan import replay_plan, segment_runs
 
 
@@ -324,14 +324,8 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     dtape = torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced, skip_bwd=skip_bwd)
-    buffers = {"initial_state": h0, "dfinal_state": dht, "dinitial_state": dh0}
-    piece_chunks = None
-    if plan.pieces is not None:  # each piece's walks start from their neighbour's end state
-        bounds = plan.pieces.bounds
-        piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
-        for name in ("fwd_handoff", "bwd_handoff"):
-            buffers[name] = torch.empty(len(bounds) - 2, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device,
-                                        dtype=torch.float32)
+    piece_chunks, handoff = execute.piece_buffers(plan, H, q.device, ("fwd_handoff", "bwd_handoff"))
+    buffers = {"initial_state": h0, "dfinal_state": dht, "dinitial_state": dh0, **handoff}
     execute.run(plan, execute.Call(prepared, buffers, outs, save_tape=True, want_output=False, dout=do, dtape=dtape,
                                    piece_chunks=piece_chunks))
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]

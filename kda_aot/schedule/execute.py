@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from . import backward, kda
+from .._runtime.tensor import host_table_to
 from .plan import ChunkStage, PipelinePlan, Record, Rows, RunExchange, Stream, Wait, WaitEvent, Walk
 
 
@@ -39,6 +40,18 @@ class Call:
             return None
         buffer = self.buffers[ref.buffer]
         return None if buffer is None else buffer[ref.first:ref.end]
+
+
+def piece_buffers(plan: PipelinePlan, heads: int, device, names) -> tuple:
+    """(piece_chunks, buffers) for a plan that walks a group in pieces: the pieces' chunk bounds on the device
+    (int32) and, per name, a state handoff buffer with a row per boundary between pieces (fp32: a piece starts
+    bitwise from the one before's end state); (None, {}) for a plan without pieces."""
+    if plan.pieces is None:
+        return None, {}
+    bounds = plan.pieces.bounds
+    chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), device)
+    return chunks, {name: torch.empty(len(bounds) - 2, heads, kda.HEAD_DIM, kda.HEAD_DIM, device=device,
+                                      dtype=torch.float32) for name in names}
 
 
 class _Streams:

@@ -20,7 +20,7 @@ from . import execute, fit
 from .plan import forward_plan
 from .. import options
 from .._runtime import registry
-from .._runtime.tensor import describe, host_table_to, out_or, stream_of
+from .._runtime.tensor import describe, out_or, stream_of
 from .._runtime.packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
@@ -315,12 +315,8 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
                          output_final_state=output_final_state)
     plan = forward_plan(prepared["chain_lengths"], H, device_sms(q.device), first=senders, deferred=deferred,
                         cp=exchange is not None, summarised=summarised, exchange_beside=exchange_beside)
-    buffers = {"initial_state": initial_state, "final_state": full["final_state"]}
-    piece_chunks = None
-    if plan.pieces is not None:  # piece p's walk starts from piece p - 1's end state (fp32: bitwise one walk)
-        bounds = plan.pieces.bounds
-        piece_chunks = host_table_to(torch.tensor(bounds, dtype=torch.int32), q.device)
-        buffers["handoff"] = torch.empty(len(bounds) - 2, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
+    piece_chunks, handoff = execute.piece_buffers(plan, H, q.device, ("handoff",))
+    buffers = {"initial_state": initial_state, "final_state": full["final_state"], **handoff}
     execute.run(plan, execute.Call(prepared, buffers, full, save_tape=save_tape, want_output=want_output,
                                    walk_form=walk_form, piece_chunks=piece_chunks, exchange=exchange))
     saved = dict(prepared, initial_state=initial_state, **full)
