@@ -8,6 +8,7 @@
 #     numerics  bench/numerics.py on B (NUMERICS_ARGS; FLA beside when .whl carries it), rows into $OUT
 #     cmd       AB_CMD (a command line run from a tree's root, e.g. "python3 bench/profile_kda.py Q1 32
 #               fla_layer") in A B A B, each capped by CMD_S (default 60 s), logs cmd_{A,B}_{1,2}.log
+#     bcmd      AB_CMD on B alone (when the command carries its own baseline), log cmd_B.log
 # Logs and rows come back under $OUT (logs.tgz, *.jsonl), with Triton's cache (device_env.sh).
 # Usage: PATCH=docs/wip/x.patch STEPS="tests sanitize timing" TESTS="tests/..." bash bench/patch_ab.sh
 source "$(dirname "$0")/device_env.sh"
@@ -59,6 +60,9 @@ for step in ${STEPS:-tests sanitize timing}; do
       ab timing 90 "python3 bench/numerics.py --timing --only-timing --no-fla --out $W/timing_\${ARM}_\$ROUND" ;;
     cmd)
       ab cmd "${CMD_S:-60}" "$AB_CMD" ;;
+    bcmd)
+      in_tree "$B" "${CMD_S:-60}" "$W/cmd_B.log" "$AB_CMD"
+      stamp "cmd B: rc $? $(tail -4 "$W/cmd_B.log" | tr '\n' ' ')" ;;
     numerics)
       in_tree "$B" "${NUMERICS_S:-300}" "$W/numerics_B.log" "python3 bench/numerics.py --out $W ${NUMERICS_ARGS:-}"
       stamp "numerics B: $(tail -3 "$W/numerics_B.log" | tr '\n' ' ')" ;;

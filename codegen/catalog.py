@@ -35,8 +35,8 @@ class Binding:
 
 
 _FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"
-_GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "daqk_diag", "dqg", "dkg", "drk",
-               "dbeta_v", "dgam_s", "dq", "dk", "dg")
+_GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg",
+               "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg")
 # Programs on KdaFwdArgs / KdaBwdArgs (templates/common/kda.h); every other program's folder holds its own
 # binding.cpp.j2.
 BINDINGS = {
@@ -49,8 +49,8 @@ BINDINGS = {
     "kda_bwd_walk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma"),
                             need_one=("dtape", "dinitial_state")),
     "kda_bwd_chunk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "dtape", "v", "u",
-                                         "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
-                                         "daqk_diag", "dbeta_v", "dgam_s")),
+                                         "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "daqk_lo",
+                                         "dakk", "daqk_diag", "dbeta_v", "dgam_s")),
     # two CTAs over 64 channels each write dbeta's halves (the caller adds them)
     "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True),
     "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True),

@@ -103,6 +103,20 @@ def test_chunk_stage_products_match_reference():
         e = rel_rms(got[name].cpu(), ref)
         print(f"{name}: {e:.2e}")
         assert torch.isfinite(got[name]).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"
+    # dAqk as hi + lo (its diagonal from daqk_diag) against scale tril(dO V'^T) from the kernel's own bf16 dO, V'
+    # in fp64: fp32-accurate (bf16 hi alone is ~2e-3 off)
+    full = got["daqk"].cpu().double() + got["daqk_lo"].cpu().double()
+    exact = torch.zeros_like(full)
+    pos = torch.zeros(T, dtype=torch.long)  # each token's row in its chunk
+    vn = saved["vnew"].cpu().double()
+    for _, c0, c1 in rs["chunks"].tolist():
+        pos[c0:c1] = torch.arange(c1 - c0)
+        a = saved["scale"] * torch.einsum("ihd,jhd->ihj", do64[0, c0:c1], vn[0, c0:c1])
+        exact[0, c0:c1, :, :c1 - c0] = a * torch.tril(torch.ones(c1 - c0, c1 - c0, dtype=torch.float64))[:, None]
+    full[0, torch.arange(T), :, pos] = got["daqk_diag"].cpu().double()[0]
+    e = rel_rms(full, exact)
+    print(f"daqk + daqk_lo: {e:.2e}")
+    assert e < 1e-4, f"daqk + daqk_lo: {e:.3e} (seed {SEED})"
 
 
 @pytest.mark.parametrize("pack", list(PACKS))

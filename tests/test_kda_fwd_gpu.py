@@ -92,8 +92,9 @@ def test_forward_matches_reference(pack, H, gate, init):
 @pytest.mark.parametrize("pack", list(PACKS))
 @pytest.mark.parametrize("gate", ["rand", "neg5", "zero", "mild"])
 def test_lean_chunk_form_matches_reference(pack, gate):
-    """The shipped kda_fwd_chunk/lean (Gamma in log2 units; the Akk/Aqk operands rounded twice: the
-    exp to bf16, then the packed product) against the fp64 reference, same bound as every form; and
+    """The shipped kda_fwd_chunk/lean (Gamma in log2 units; Akk's row operand rounded twice: the exp to
+    bf16, then the packed product; the column operand the fp32 product rounded once, Aqk's row operand
+    that product as bf16 hi + lo) against the fp64 reference, same bound as every form; and
     deterministic (two runs bitwise); gamma bitwise the fp32 running sum of the floored gate in row order."""
     from kda_aot.schedule.kda import GATE_FLOOR, chunk_kda_prepare, chunk_kda_walk
     q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, gate, rng(("lean", pack, gate)), True)

@@ -246,9 +246,9 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
         dq, dk, dv, dg, dbeta, d0 = backward.chunk_kda_bwd(dict(saved), tok(), gate_form=gate_form, walk=[dtape, dh0])
         assert [p for p, _ in calls] == ["kda_bwd_chunk", "kda_bwd_gate"] and d0 is dh0
         assert set(calls[0][1]) == {"chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew", "akk_inv",
-                                    "beta", "tape", "dout", "dtape", "dv", "drk", "dqg", "dkg", "daqk", "dakk",
-                                    "daqk_diag", "dbeta_v", "dgam_s"}
+                                    "beta", "tape", "dout", "dtape", "dv", "drk", "dqg", "dkg", "daqk", "daqk_lo",
+                                    "dakk", "daqk_diag", "dbeta_v", "dgam_s"}
         dbeta_out = "dbeta_part" if gate_form.startswith("split") else "dbeta"
-        assert set(calls[1][1]) == {"q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "dakk", "daqk_diag", "dqg", "dkg",
-                                    "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg", dbeta_out}
+        assert set(calls[1][1]) == {"q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo", "dakk", "daqk_diag",
+                                    "dqg", "dkg", "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg", dbeta_out}
         assert dq.shape == dk.shape == dv.shape == (1, T, H, 128) and dbeta.shape == (1, T, H)

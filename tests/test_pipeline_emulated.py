@@ -81,6 +81,7 @@ def _bwd_chunk(t):
         for name in ("drk", "dqg", "dkg"):
             t[name][0, sl] = (t["kg"][0, sl].float() * 0.5 + base).to(t[name].dtype)
         t["daqk"][0, sl] = (t["aqk"][0, sl].float() + 1).to(t["daqk"].dtype)
+        t["daqk_lo"][0, sl] = (t["aqk"][0, sl].float() * 1e-3).to(t["daqk_lo"].dtype)
         t["daqk_diag"][0, sl] = t["aqk"][0, sl].float().mean(-1)
         t["dakk"][0, sl] = (t["akk_inv"][0, sl].float() - 1).to(t["dakk"].dtype)
         t["dbeta_v"][0, sl] = t["u"][0, sl].float().mean(-1)
@@ -90,7 +91,8 @@ def _bwd_chunk(t):
 def _gate(t):
     for c, (t0, t1) in enumerate(_rows(t)):
         sl = slice(t0, t1)
-        t["dq"][0, sl] = (t["dqg"][0, sl].float() + t["dgam_s"][c]).to(t["dq"].dtype)
+        t["dq"][0, sl] = (t["dqg"][0, sl].float() + t["dgam_s"][c]
+                          + t["daqk_lo"][0, sl].float().mean(-1, keepdim=True)).to(t["dq"].dtype)
         t["dk"][0, sl] = (t["dkg"][0, sl].float() + t["drk"][0, sl].float()).to(t["dk"].dtype)
         t["dg"][0, sl] = (t["g"][0, sl] + t["dgam_s"][c] + t["daqk"][0, sl].float().mean(-1, keepdim=True)
                           + t["daqk_diag"][0, sl, :, None])
@@ -112,11 +114,12 @@ _READS = {"kda_fwd_chunk": ("q", "k", "v", "g", "beta"),
           "kda_fwd_walk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "initial_state"),
           "kda_bwd_walk": ("dout", "w", "qg", "kg", "aqk", "gamma", "dfinal_state"),
           "kda_bwd_chunk": ("dtape", "tape", "dout", "vnew", "kg", "aqk", "akk_inv", "u", "v", "w", "beta", "gamma"),
-          "kda_bwd_gate": ("dqg", "dkg", "drk", "daqk", "daqk_diag", "dakk", "dbeta_v", "dgam_s", "q", "k", "g", "beta")}
+          "kda_bwd_gate": ("dqg", "dkg", "drk", "daqk", "daqk_lo", "daqk_diag", "dakk", "dbeta_v", "dgam_s", "q", "k",
+                           "g", "beta")}
 _WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma"),
            "kda_fwd_walk": ("tape", "vnew", "o", "final_state"),
            "kda_bwd_walk": ("dtape", "dinitial_state"),
-           "kda_bwd_chunk": ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s"),
+           "kda_bwd_chunk": ("dv", "drk", "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s"),
            "kda_bwd_gate": ("dq", "dk", "dg", "dbeta", "dbeta_part", "ddt_bias_part", "da_log_part")}
 _WALKS = ("kda_fwd_walk", "kda_bwd_walk")
 _CHUNK_ROWS = ("gamma", "tape", "dtape", "dgam_s", "ddt_bias_part", "da_log_part")

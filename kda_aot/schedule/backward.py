@@ -51,7 +51,8 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
 def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
-    drk, dqg, daqk, dakk (bf16) and dkg, daqk_diag, dbeta_v, dgam_s (fp32) (see templates/common/kda.h).
+    drk, dqg, daqk, daqk_lo (dAqk's bf16 rounding residue), dakk (bf16) and dkg, daqk_diag, dbeta_v, dgam_s
+    (fp32) (see templates/common/kda.h).
     form: one of BWD_CHUNK_FORMS (default: Options.bwd_chunk_form, else the shipped one)."""
     form = kda._pick_form("bwd_chunk_form", form, kda.BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
@@ -59,7 +60,7 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
-_BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s")
+_BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s")
 
 
 def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
@@ -75,6 +76,7 @@ def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
              drk=torch.empty(1, T, H, kda.HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, kda.HEAD_DIM, **bf16),
              dkg=torch.empty(1, T, H, kda.HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
+             daqk_lo=torch.empty(1, T, H, CHUNK, **bf16),
              dakk=torch.empty(1, T, H, CHUNK, **bf16), daqk_diag=torch.empty(1, T, H, **f32),
              dbeta_v=torch.empty(1, T, H, **f32),
              dgam_s=torch.empty(C, H, kda.HEAD_DIM, **f32), scale=saved["scale"])
@@ -93,7 +95,8 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     q = saved["q"]
     T, H = q.shape[1], q.shape[2]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
-    t.update({name: parts[name] for name in ("daqk", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v", "dgam_s")})
+    t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
+                                             "dgam_s")})
     t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]), scale=saved["scale"])
     gate = saved.get("gate")
     if gate is not None:  # each chunk's parts of the gate parameters' gradients, summed after in a fixed order

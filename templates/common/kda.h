@@ -99,6 +99,10 @@ struct KdaBwdArgs {
                                  //                    largest error at strong decay, bench/studies/kda_emulation.py)
   uint16_t* daqk;                // [T, H, 64]  bf16  scale tril(dO V'^T)   (bf16: the gated products' operand,
   uint16_t* dakk;                // [T, H, 64]  bf16  -tril_strict(dRk W^T + dRv U^T)  rounded once, here)
+  uint16_t* daqk_lo;             // [T, H, 64]  bf16  dAqk - float(daqk), its bf16 rounding residue (diagonal zero):
+                                 //                    added in the gate's rows(dAqk, K) (dq: its in-chunk terms are
+                                 //                    not decayed away at mild gates, docs/numerics.md) and
+                                 //                    cols(dAqk, Q) (so that the pair terms cancel in dGamma)
   float* daqk_diag;              // [T, H]      fp32  scale dO_i . V'_i: dAqk's diagonal, taken exactly by the gate
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
   float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)

@@ -39,8 +39,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
-                                 "dqg", "dkg", "daqk", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk", "dg", "dbeta",
-                                 "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
+                                 "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk",
+                                 "dg", "dbeta", "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
                                  "da_log_part"};
   KdaTensors out;
   auto& t = out.t;
@@ -122,6 +122,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dqg", kBFloat16, tok, "[1, T, H, 128]"},
       {"dkg", kFloat32, tok, "[1, T, H, 128]"},
       {"daqk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"daqk_lo", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dakk", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"daqk_diag", kFloat32, {1, T, H}, "[1, T, H]"},
       {"dbeta_v", kFloat32, {1, T, H}, "[1, T, H]"},
@@ -271,6 +272,7 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.dqg = reinterpret_cast<uint16_t*>(k.ptr("dqg"));
   a.dkg = reinterpret_cast<float*>(k.ptr("dkg"));
   a.daqk = reinterpret_cast<uint16_t*>(k.ptr("daqk"));
+  a.daqk_lo = reinterpret_cast<uint16_t*>(k.ptr("daqk_lo"));
   a.dakk = reinterpret_cast<uint16_t*>(k.ptr("dakk"));
   a.daqk_diag = reinterpret_cast<float*>(k.ptr("daqk_diag"));
   a.dbeta_v = reinterpret_cast<float*>(k.ptr("dbeta_v"));
