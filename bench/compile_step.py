@@ -9,9 +9,7 @@ reduce-overhead) to DIR (default bench/results/). Arms are interleaved, medians 
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.common import commit as checkout_commit  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 
 PACKS = {"Q1": [101377, 40961, 77777, 29741], "Q2": [150001, 76335], "Q6": [200000, 49856]}
@@ -78,8 +77,7 @@ def main():
             stop.record()
             stop.synchronize()
             times[name].append(start.elapsed_time(stop))
-    commit = os.environ.get("KDA_AOT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = checkout_commit()
     date = datetime.date.today().isoformat()
     rows = [dict(suite="compile", pack=args.pack, heads=H, cp=1, layout="none", boundary="B3", mode="replay",
                  arm=name, walk_form="auto", ms=round(statistics.median(ts), 3), gpu=torch.cuda.get_device_name(),
