@@ -11,11 +11,12 @@
 #     bcmd      AB_CMD on B alone (when the command carries its own baseline), log cmd_B.log
 # Logs and rows come back under $OUT (logs.tgz, *.jsonl), with Triton's cache (device_env.sh).
 # Usage: PATCH=docs/wip/x.patch STEPS="tests sanitize timing" TESTS="tests/..." bash bench/patch_ab.sh
+# (PATCH="a.patch b.patch": B has each applied, in that order)
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 DEADLINE=$(( t0 + ${CHECK_S:-560} ))
 cap() { local left=$(( DEADLINE - $(date +%s) - 5 )); [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
-: "${PATCH:?PATCH=path of the patch to check}"
+: "${PATCH:?PATCH=path of the patch (or paths, space-separated) to check}"
 W=$(mktemp -d)
 finish() { cp "$W"/*.jsonl "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$W" .; save_triton_cache; }
 trap finish EXIT
@@ -23,7 +24,7 @@ A=$PWD
 B=/tmp/patch_ab_B
 rm -rf "$B" && mkdir -p "$B"
 tar cf - --exclude=./build --exclude=./.whl --exclude='./kda_aot/_lib/*.so' . | tar xf - -C "$B"
-(cd "$B" && git apply "$A/$PATCH" && python3 -m codegen render) > "$W/patch.log" 2>&1 || { cat "$W/patch.log"; exit 1; }
+(cd "$B" && for p in $PATCH; do git apply "$A/$p" || exit 1; done && python3 -m codegen render) > "$W/patch.log" 2>&1 || { cat "$W/patch.log"; exit 1; }
 if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/ 2>/dev/null; fi
 for tree in "$A" "$B"; do
   (cd "$tree" && KDA_AOT_TEST_RECORDS=1 KDA_AOT_JOBS=16 python3 setup.py -q build_ext --inplace) \
