@@ -69,7 +69,8 @@ KNOB_DOC = {
     "t_op": "T = (I+L)^-1 diag(beta) operand", "kexp": "K e^Gamma operand", "w": "W stored", "u": "U stored",
     "qg": "Q e^Gamma stored", "kg": "K e^(gamma-Gamma) stored", "s_op": "walk: S operand",
     "vnew": "walk: V' operand/saved", "ds_op": "bwd walk: dS operand", "ndv": "bwd walk: dV' operand",
-    "tape_op": "bwd chunk: S, dS operands", "tape_dvp": "bwd chunk: dS operand of dV'", "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'",
+    "tape_op": "bwd chunk: S, dS operands", "tape_dvp": "bwd chunk: dS operand of dV'",
+    "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'",
     "dw": "bwd chunk: dW", "drk": "bwd chunk: dRk", "drv": "bwd chunk: dRv", "dqg": "dQg stored",
     "dkg": "dKg stored", "daqk": "dAqk stored", "dakk": "dAkk stored", "gated_op": "gate: gated operand",
 }
