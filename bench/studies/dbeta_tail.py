@@ -9,7 +9,8 @@ returns bf16(ref) on the tokens that hold ||dbeta|| cannot be beaten there by an
 
 Per seed and arm: the error, its part in the last tokens (relative to all of ||ref||), the floor
 ||bf16(ref) - ref|| / ||ref||, the distance to bf16(ref), and the share of the last tokens' values equal to
-bf16(ref); and dv's error. Inputs: the suite's H = 4 pack (bench/numerics.py pack(2101)) unless --lens, one draw per seed.
+bf16(ref); dv's and dg's error, and the share of ||dg error||^2 in its 4 largest elements. Inputs: the
+suite's H = 4 pack (bench/numerics.py pack(2101)) unless --lens, one draw per seed.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--arms", default="fixed,fixed:tape_dvp=hilo,fla")
     a = ap.parse_args(argv)
     specs = a.arms.split(",")
-    keys = ("err", "last", "floor", "to_floor", "exact_last", "dv")
+    keys = ("err", "last", "floor", "to_floor", "exact_last", "dv", "dg", "dg_top4")
     agg = {s: {k: [] for k in keys} for s in specs}
     shares = []
     for i in range(a.seeds):
@@ -60,7 +61,9 @@ def main(argv=None):
         for s in specs:
             kn = arm_of(s)
             res = E.run_fla(x) if kn is None else E.run_kda(x, kn)
-            st = dict(tail_stats(res["dbeta"][0], ref, last), dv=E.rel_rms(res["dv"], truth["dv"]))
+            dg_err = (res["dg"].double() - truth["dg"]).flatten() ** 2
+            st = dict(tail_stats(res["dbeta"][0], ref, last), dv=E.rel_rms(res["dv"], truth["dv"]),
+                      dg=E.rel_rms(res["dg"], truth["dg"]), dg_top4=(dg_err.topk(4).values.sum() / dg_err.sum()).item())
             for k in keys:
                 agg[s][k].append(st[k])
             print(f"seed {seed} {s:24s} " + " ".join(f"{k} {st[k]:.3e}" for k in keys), flush=True)
