@@ -46,6 +46,7 @@ SHIPPED = {
     "tape_op": "bf16",       # S, dS tapes as operands
     "tape_dkg": None,        # dS as the operand of dKg = V' dS^T alone (None: tape_op; 'hilo': a second mma pass)
     "tape_dqg": None,        # S as the operand of dQg = scale dO S^T alone (None: tape_op)
+    "tape_dvp": None,        # dS as the operand of dV' = ... + Kg dS alone (None: tape_op; 'hilo': a second mma pass)
     "akk_inv": "bf16",       # saved (I + L)^-1
     "dvp": "bf16", "dw": "bf16", "drk": "bf16", "drv": "bf16",
     "dqg": "bf16", "dkg": "bf16", "daqk": "bf16", "dakk": "bf16",
@@ -68,7 +69,8 @@ KNOB_DOC = {
     "t_op": "T = (I+L)^-1 diag(beta) operand", "kexp": "K e^Gamma operand", "w": "W stored", "u": "U stored",
     "qg": "Q e^Gamma stored", "kg": "K e^(gamma-Gamma) stored", "s_op": "walk: S operand",
     "vnew": "walk: V' operand/saved", "ds_op": "bwd walk: dS operand", "ndv": "bwd walk: dV' operand",
-    "tape_op": "bwd chunk: S, dS operands", "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'",
+    "tape_op": "bwd chunk: S, dS operands", "tape_dvp": "bwd chunk: dS operand of dV'",
+    "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'",
     "dw": "bwd chunk: dW", "drk": "bwd chunk: dRk", "drv": "bwd chunk: dRv", "dqg": "dQg stored",
     "dkg": "dKg stored", "daqk": "dAqk stored", "dakk": "dAkk stored", "gated_op": "gate: gated operand",
 }
