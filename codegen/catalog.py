@@ -32,7 +32,6 @@ class Binding:
     needs: tuple
     need_one: tuple = ()  # tensors of which a launch must be given at least one
     gate: bool = False    # the program forms the gate from the raw gate (its launch takes gate_kind, lower_bound)
-    beta: bool = False    # the program reads beta, formed from the logits on load (its launch takes beta_kind)
 
 
 _FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"
@@ -42,7 +41,7 @@ _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo",
 # binding.cpp.j2.
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
-                                         "aqk", "aqk_diag_lo", "gamma"), gate=True, beta=True),
+                                         "aqk", "aqk_diag_lo", "gamma"), gate=True),
     # kda_fwd_walk also needs aqk_diag_lo when it writes o (the binding checks: the replay's walk writes none)
     "kda_fwd_walk": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
     "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
@@ -51,10 +50,10 @@ BINDINGS = {
                             need_one=("dtape", "dinitial_state")),
     "kda_bwd_chunk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "dtape", "v", "u",
                                          "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "daqk_lo",
-                                         "dakk", "daqk_diag", "dbeta_v", "dgam_s"), beta=True),
+                                         "dakk", "daqk_diag", "dbeta_v", "dgam_s")),
     # two CTAs over 64 channels each write dbeta's halves (the caller adds them)
-    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True, beta=True),
-    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True, beta=True),
+    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True),
+    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True),
 }
 
 

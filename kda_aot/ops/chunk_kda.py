@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
-from .gate import activate, expand_heads, kda_gate, kernel_beta, kernel_gate
+from .gate import activate, expand_heads, kda_gate, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 from .._runtime.tensor import require_cuda
@@ -83,7 +83,7 @@ def _entering_decay(g: Tensor, tables, gate=None) -> Tensor:
 
 # ------------------------------------------------------------------------------------ forward
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate, beta_kind):
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate):
     """o, final_state (or [0]) and, with save, the saved context (SAVED order, per-chunk tensors over
     max_chunks rows)."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
@@ -107,8 +107,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
     require_cuda(q, "q", "chunk_kda")
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
-                                        output_final_state=output_final_state, save_tape=save, out=out, gate=gate,
-                                        beta_kind=beta_kind)
+                                        output_final_state=output_final_state, save_tape=save, out=out, gate=gate)
     if final is not None:
         final = tables.document_rows(final, h0)
     final = _no_state(q) if final is None else final
@@ -134,23 +133,21 @@ def _fake_forward(q, initial_state, cu_seqlens, output_final_state, save):
 # The ops' gate arguments (last, with defaults): A_log [H] and dt_bias [H, 128] fp32 (contiguous), gate_kind
 # (kda.GATE_RAW: g is the log decay; GATE_SOFTPLUS, GATE_SIGMOID: g is the raw gate, activated in the
 # kernels) and lower_bound (GATE_SIGMOID). The backward ops return dA_log and ddt_bias after the six
-# gradients ([0] without the activation). beta_kind (after them; kda.BETA_KINDS): BETA_PLAIN: beta is beta
-# (bf16); BETA_SIGMOID, BETA_SIGMOID_2: beta is the logits (bf16 or fp32), activated in the kernels, and dbeta
-# their gradient in their dtype.
+# gradients ([0] without the activation).
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, output_final_state: bool, A_log: Optional[Tensor] = None,
-                     dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                     beta_kind: int = 0) -> tuple[Tensor, Tensor]:
+                     dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0
+                     ) -> tuple[Tensor, Tensor]:
     """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, False,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), beta_kind)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound))
 
 
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, beta_kind=0):
+      gate_kind=0, lower_bound=0.0):
     return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=False)
 
 
@@ -158,17 +155,17 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_
 def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            output_final_state: bool, A_log: Optional[Tensor] = None,
-                           dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                           beta_kind: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                        Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                      Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, final_state or [0], *the saved context in SAVED order) for the saved-context backward."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, True,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), beta_kind)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound))
 
 
 @chunk_kda_fwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, beta_kind=0):
+      gate_kind=0, lower_bound=0.0):
     return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=True)
 
 
@@ -208,7 +205,7 @@ def _zero_gate_grads(q, gate):
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor],
                      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                     lower_bound: float = 0.0, beta_kind: int = 0
+                     lower_bound: float = 0.0
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
     d_initial_state or [0], dA_log or [0], ddt_bias or [0])."""
@@ -218,8 +215,7 @@ def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     if tables.n_segments == 0:
         return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
     h0, decay = _entering(h0, g, tables, gate)
-    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate,
-                                         beta_kind)
+    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
@@ -237,7 +233,7 @@ def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
 
 @chunk_kda_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, beta_kind=0):
+      gate_kind=0, lower_bound=0.0):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
@@ -247,7 +243,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,
                            akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor],
                            A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                           lower_bound: float = 0.0, beta_kind: int = 0
+                           lower_bound: float = 0.0
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Saved-context backward over chunk_kda_fwd_saved's context: bitwise the replay's gradients."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
@@ -259,7 +255,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     context = dict(zip(SAVED, (w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew)))
     saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
-                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate, beta_kind=beta_kind)
+                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate)
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
     decay = None if h0 is None else _entering_decay(g, tables, gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
@@ -267,15 +263,15 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 @chunk_kda_bwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew, do,
-      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0, beta_kind=0):
+      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
 # ----------------------------------------------------------------------------------- autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound, beta_kind = inputs
-    ctx.scale, ctx.gate_kind, ctx.lower_bound, ctx.beta_kind = scale, gate_kind, lower_bound, beta_kind
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound = inputs
+    ctx.scale, ctx.gate_kind, ctx.lower_bound = scale, gate_kind, lower_bound
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *output[2:])
@@ -289,17 +285,16 @@ def _backward(ctx, do, dfinal_state, *_):
         do = torch.zeros_like(q)
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
-    activations = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound, ctx.beta_kind)
+    gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
     if context:
-        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state,
-                                       *activations)
+        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate)
     else:
-        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *activations)
+        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate)
     dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = grads
     gated = ctx.gate_kind != kda.GATE_RAW
     return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
             da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
-            None, None, None)
+            None, None)
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -308,10 +303,9 @@ chunk_kda_fwd_saved_op.register_autograd(_backward, setup_context=_setup_context
 
 # ---------------------------------------------------------------------------------- public op
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=False, beta_logits=False):
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=False):
     """Checks that need only shapes, dtypes and devices (the values of cu_seqlens are checked by the op,
-    before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16; beta_logits:
-    beta is the logits the kernels activate, bf16 or fp32."""
+    before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -337,8 +331,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
                            ("g", g, torch.float32), ("beta", beta, torch.bfloat16),
                            ("initial_state", initial_state, torch.float32)):
         if name == "g" and raw_gate and t.dtype == torch.bfloat16:
-            continue
-        if name == "beta" and beta_logits and t.dtype == torch.float32:
             continue
         if t is not None and t.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}")
@@ -405,14 +397,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:
         g, gate_args = kernel_gate(g, A_log, dt_bias, lower_bound, safe_gate)
         use_gate_in_kernel, A_log, dt_bias = False, None, None
-    # beta's activation always runs in the kernels: the op takes the logits and beta_kind
-    beta_kind = kda.BETA_PLAIN
-    if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
-        beta, beta_kind = kernel_beta(beta, allow_neg_eigval)
     g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=bool(gate_args),
-                       beta_logits_in_kernels=beta_kind != kda.BETA_PLAIN)
+                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=bool(gate_args))
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
@@ -421,7 +408,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         q, k = _qk_l2norm(q, k)
     q, k = expand_heads(q, k, v.shape[2])
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, mode, gate_args, beta_kind)
+                                 cu_seqlens_cpu, mode, gate_args)
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
@@ -474,12 +461,10 @@ def _check_head_dim(x, name):
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      backward, gate_args=(), beta_kind=kda.BETA_PLAIN):
+                      backward, gate_args=()):
     """The KDA op on checked inputs of H heads each (q and k already normalised when asked); gate_args:
-    the kernels' gate activation (kernel_gate), g then the raw gate; beta_kind: beta's (kernel_beta), beta
-    then the logits."""
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args),
-                  beta_logits=beta_kind != kda.BETA_PLAIN)
+    the kernels' gate activation (kernel_gate), g then the raw gate."""
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args))
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
         cu = torch.arange(B + 1, dtype=torch.int32, device="cpu") * T
@@ -492,6 +477,5 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
-    beta_args = {} if beta_kind == kda.BETA_PLAIN else {"beta_kind": beta_kind}  # the precomputed call as it was
-    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **beta_args)[:2]
+    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args)[:2]
     return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

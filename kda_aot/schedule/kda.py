@@ -61,25 +61,6 @@ class GateActivation:
                 if x is not None}
 
 
-# beta's activation inside kda_fwd_chunk, kda_bwd_chunk and kda_bwd_gate (templates/common/kda.h BetaKind): with
-# BETA_SIGMOID / BETA_SIGMOID_2 the beta tensor holds the logits b (bf16, or fp32) and each program forms sigmoid(b)
-# (2 sigmoid(b)) in fp32 on load; the backward's dbeta is then b's gradient (beta_logits_grad).
-BETA_PLAIN, BETA_SIGMOID, BETA_SIGMOID_2 = 0, 1, 2
-BETA_KINDS = (BETA_PLAIN, BETA_SIGMOID, BETA_SIGMOID_2)
-
-
-def beta_logits_grad(dbeta: torch.Tensor, logits: torch.Tensor, kind: int) -> torch.Tensor:
-    """b's gradient from beta's (fp32): dbeta scale sigma(b) (1 - sigma(b)) with sigma in fp32, in the order of
-    FLA's fused_beta_sigmoid_bwd (scale 2 for BETA_SIGMOID_2)."""
-    s = torch.sigmoid(logits.float())
-    return dbeta * (2.0 if kind == BETA_SIGMOID_2 else 1.0) * s * (1.0 - s)
-
-
-def beta_launch_args(kind: int) -> dict:
-    """The keyword a launch of a program that reads beta takes for beta's activation (none without it)."""
-    return {} if kind == BETA_PLAIN else {"beta_kind": kind}
-
-
 def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
     """g [1, T, H, K] at each segment's first token: [n_segments, H, K]."""
     return g[0].index_select(0, tables.cu[:-1])
@@ -195,24 +176,19 @@ def _pick_form(what: str, form, forms: tuple) -> str:
     return form
 
 
-def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      beta_kind=BETA_PLAIN):
+def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange."""
-    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             beta_kind=beta_kind)
+    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
-                         gate: Optional[GateActivation] = None, beta_kind: int = BETA_PLAIN) -> dict:
+                         gate: Optional[GateActivation] = None) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
-    preallocated gamma; gate: the gate's activation (g the raw gate), beta_kind: beta's (beta the logits), both
-    kept for the backward."""
-    if beta_kind not in BETA_KINDS:
-        raise ValueError(f"beta_kind: expected 0, 1 (sigmoid) or 2 (2 sigmoid), got {beta_kind}")
+    preallocated gamma; gate: the gate's activation (g the raw gate), kept for the backward."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = q.shape[1], q.shape[2]
     C = tables.chunks.shape[0]
@@ -229,7 +205,6 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
-        "beta_kind": beta_kind,
     }
 
 
@@ -240,13 +215,12 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    gate, beta = t.get("gate"), beta_launch_args(t.get("beta_kind", BETA_PLAIN))
+    gate = t.get("gate")
     library = registry.library("kda_fwd_chunk", form)
     if gate is None:
-        library.launch(desc, t["scale"], stream_of(t["q"]), **beta)
+        library.launch(desc, t["scale"], stream_of(t["q"]))
     else:
-        library.launch({**desc, **gate.descriptors()}, t["scale"], stream_of(t["q"]), gate.kind, gate.lower_bound,
-                       **beta)
+        library.launch({**desc, **gate.descriptors()}, t["scale"], stream_of(t["q"]), gate.kind, gate.lower_bound)
 
 
 def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
@@ -287,8 +261,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None,
-                  beta_kind=BETA_PLAIN):
+                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
@@ -297,10 +270,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
-    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay); beta_kind: one of BETA_KINDS
-    (beta the logits with BETA_SIGMOID, BETA_SIGMOID_2)."""
-    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate,
-                                    beta_kind)
+    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay)."""
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.

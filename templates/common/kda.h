@@ -34,21 +34,6 @@ struct KdaGate {
   const uint16_t* raw_bf16;
 };
 
-// beta's activation inside the programs (chunk_kda's use_beta_sigmoid_in_kernel): with kind != kBetaPlain, beta
-// holds the logits b and every program that reads beta (kda_fwd_chunk, kda_bwd_chunk, kda_bwd_gate) forms it on load
-// in fp32 (kda.cuh: activated_beta), so that no activated copy goes through memory; dbeta stays beta's gradient
-// (the caller applies the chain factor where it sums dbeta's parts).
-enum BetaKind : int {
-  kBetaPlain = 0,     // beta is beta
-  kBetaSigmoid = 1,   // sigmoid(b)
-  kBetaSigmoid2 = 2,  // 2 sigmoid(b) (allow_neg_eigval)
-};
-struct KdaBeta {
-  int kind;
-  // [T, H] the logits in fp32 (beta then null), or null: beta in bf16 (logits or beta itself).
-  const float* logits_f32;
-};
-
 struct KdaFwdArgs {
   // inputs
   const uint16_t* q;            // [T, H, 128] bf16
@@ -79,7 +64,6 @@ struct KdaFwdArgs {
   float* tape;                  // [n_chunks, H, 128, 128] fp32 state at each chunk start, or null
   uint16_t* vnew;               // [T, H, 128] bf16 V' = U - W S, or null (both kept for the saved backward)
   KdaGate gate;                 // kda_fwd_chunk: how g becomes the log decay
-  KdaBeta beta_act;             // kda_fwd_chunk: how beta is formed from what the beta tensor holds
 };
 
 }  // namespace kda
@@ -106,7 +90,6 @@ struct KdaBwdArgs {
   const uint16_t* vnew;          // [T, H, 128] bf16 V'
   const uint16_t* akk_inv;       // [T, H, 64]  bf16 (I + L)^-1
   const uint16_t* beta;          // [T, H] bf16
-  KdaBeta beta_act;              // kda_bwd_chunk, kda_bwd_gate: how beta is formed from what the beta tensor holds
   const float* tape;             // [n_chunks, H, 128, 128] fp32 state at each chunk start
   // kda_bwd_chunk outputs (the plain products of the chunk-parallel backward)
   uint16_t* dv;                  // [T, H, 128] bf16  beta * dRv
