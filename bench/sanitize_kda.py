@@ -1,5 +1,5 @@
 """Small KDA forward + backward-walk run for compute-sanitizer (memcheck, racecheck): short and long documents,
-initial and final state."""
+initial and final state, grouped value heads."""
 import torch
 import torch.nn.functional as F
 
@@ -72,5 +72,15 @@ chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].
 from kda_aot import options  # noqa: E402
 with options.using(pipeline=True):  # the pipelined replay: chunk-stage ranges, the groups' walks on side streams
     chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
+# grouped value heads: q, k of one head read by H value heads in kda_fwd_chunk and kda_bwd_gate, both modes and
+# the replay in head groups of whole q, k heads
+qk = [x[:, :, :1].contiguous().requires_grad_() for x in (q, k)]
+for mode in ("saved", "replay"):
+    o, ht = chunk_kda(*qk, *(x.clone().requires_grad_() for x in (v, g, beta)), cu_seqlens=cu.cpu(),
+                      initial_state=h0, output_final_state=True, backward=mode)
+    torch.autograd.backward((o, ht), (do, dht))
+with options.using(max_heads=1):
+    chunk_kda(*qk, *(x.clone().requires_grad_() for x in (v, g, beta)), cu_seqlens=cu.cpu(), initial_state=h0,
+              backward="replay")[0].backward(do)
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

@@ -78,7 +78,7 @@ def test_batched_summaries_gather_the_pieces(monkeypatch):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     tables = pack_tables(cu, T, "cpu")
     C = tables.chunks.shape[0]
-    prepared = {"q": torch.zeros(1, T, H, K), "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
+    prepared = {"q": torch.zeros(1, T, H, K), "v": torch.zeros(1, T, H, K), "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
                 "chain_lengths": tables.chain_lengths,
                 "gamma": torch.arange(C, dtype=torch.float64).view(C, 1, 1).expand(C, H, K).contiguous()}
     starts = tables.chunks[:, 0].tolist()

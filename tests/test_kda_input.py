@@ -65,6 +65,38 @@ def test_more_than_64_heads():
         chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu)
 
 
+def test_grouped_value_heads_must_divide():
+    """HV a multiple of q's and k's H, named before any kernel: the schedule's check and the binding's."""
+    q, k, v, g, b, cu = good(H=2)
+    T = q.shape[1]
+    v3, g3, b3 = (torch.cat([x, x[:, :, :1]], dim=2) for x in (v, g, b))  # 3 value heads
+    with pytest.raises(ValueError, match=r"v: its heads \(HV = 3\) must be a multiple of q's and k's \(H = 2\)"):
+        chunk_kda_fwd(q, k, v3, g3, b3, cu_seqlens=cu)
+    chunks, segs = chunk_table([0, 5, T])
+    lib = registry.library("kda_fwd_chunk", "lean")
+    base = {"q": q, "k": k, "chunks": torch.tensor(chunks, dtype=torch.int32, device=DEV).view(-1, 2),
+            "seg_chunks": torch.tensor(segs, dtype=torch.int32, device=DEV)}
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+
+    def outputs(HV):
+        C = len(chunks) // 2
+        return {"w": torch.empty(1, T, HV, 128, **bf), "u": torch.empty(1, T, HV, 128, **bf),
+                "qg": torch.empty(1, T, HV, 128, **bf), "kg": torch.empty(1, T, HV, 128, **bf),
+                "aqk": torch.empty(1, T, HV, 64, **bf), "aqk_diag_lo": torch.empty(1, T, HV, device=DEV),
+                "gamma": torch.empty(C, HV, 128, device=DEV)}
+    bad = dict(base, v=v3, g=g3, beta=b3, **outputs(3))
+    with pytest.raises(ValueError, match=r"v: its heads \(HV = 3\) must be a multiple of q's and k's \(H = 2\)"):
+        lib.launch({n: describe(x, n) for n, x in bad.items()}, 1.0, 0)
+    v4, g4, b4 = (torch.cat([x, x], dim=2) for x in (v, g, b))  # 4 value heads: 2 per q, k head
+    wrong_k = dict(base, k=torch.cat([k, k], dim=2), v=v4, g=g4, beta=b4, **outputs(4))
+    with pytest.raises(ValueError, match=r"k: expected shape \[1, T, Hqk, 128\] \(as q\)"):
+        lib.launch({n: describe(x, n) for n, x in wrong_k.items()}, 1.0, 0)
+    if not HAS_GPU:  # the grouped call passes every shape check: the device check is the last one
+        good_call = dict(base, v=v4, g=g4, beta=b4, **outputs(4))
+        with pytest.raises(ValueError, match="expected a CUDA tensor"):
+            lib.launch({n: describe(x, n) for n, x in good_call.items()}, 1.0, 0)
+
+
 def test_initial_state_shape_and_dtype():
     q, k, v, g, b, cu = good()
     with pytest.raises(ValueError, match=r"initial_state: expected shape \[2, 2, 128, 128\]"):

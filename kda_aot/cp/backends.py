@@ -157,7 +157,7 @@ class CudaBackend:
         are gathered to the pieces (the kernels index per-chunk tensors by the table's rows), the
         token tensors shared. Another rounding order than summary_of: within the fp32 summary bound."""
         lengths = prepared["chain_lengths"]
-        H, device = prepared["q"].shape[2], prepared["q"].device
+        H, device = prepared["v"].shape[2], prepared["v"].device  # H: the value heads
         planned = dict(zip(plan_segments, fit.summary_pieces(tuple(lengths[s] for s in plan_segments), H,
                                                              kda_schedule.device_sms(device))))
         first = [0, *itertools.accumulate(lengths)]

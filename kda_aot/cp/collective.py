@@ -179,7 +179,7 @@ class _ForwardExchange:
 def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale, want_final, mode, backend):
     """The CP forward (collective): (o, final_state or [0]); fills ctx for _cp_backward."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the kernels read them densely
-    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    H, K, V = v.shape[2], q.shape[3], v.shape[-1]  # H: the value heads (grouped ones: q, k have fewer)
     sd = backend.state_dtype
     local = plan.local_fragments
     keep = mode == "saved"
@@ -263,6 +263,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
     ctx.cfg = (plan, group, scale, want_final, mode, backend, (H, K, V),
                initial_state is not None)
     ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+    ctx.qk_heads = q.shape[2]
     ctx.h0_dtype = None if initial_state is None else initial_state.dtype
     ctx.decays = {f.segment: decays[f.segment] for f in local if f.position == 0 and decays}
     if mode == "saved":
@@ -346,7 +347,7 @@ def _cp_backward(ctx, do, dfinal):
     dtypes = ctx.dtypes
     if not local:
         grads = [torch.zeros(1, 0, *shape, dtype=dt, device=device) for shape, dt in
-                 zip(((H, K), (H, K), (H, V), (H, K), (H,)), dtypes)]
+                 zip(((ctx.qk_heads, K), (ctx.qk_heads, K), (H, V), (H, K), (H,)), dtypes)]
         dh0 = (torch.zeros(plan.num_docs, H, K, V, dtype=ctx.h0_dtype, device=device)
                if has_h0 else None)
         return (*grads, dh0)

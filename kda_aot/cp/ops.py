@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from ..ops.gate import activate, expand_heads
+from ..ops.gate import activate
 from .._runtime.packing import PLANNED_FROM_HOST
 from . import keys
 from .backends import backend_name, get_backend
@@ -28,12 +28,14 @@ def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
                 return f"{name}: expected a torch.Tensor, got {type(t).__name__}"
         if q.dim() != 4 or q.shape[0] != 1:
             return f"q must be [1, T_local, H, K], got {list(q.shape)}"
-        _, T, H, K = q.shape
-        V = v.shape[-1] if v.dim() == 4 else -1
+        _, T, Hqk, K = q.shape
+        H, V = (v.shape[2], v.shape[-1]) if v.dim() == 4 else (Hqk, -1)
         if T != plan.num_local_tokens:
             return (f"q holds {T} local tokens but the plan gives rank {plan.rank} "
                     f"{plan.num_local_tokens} (layout {plan.layout})")
-        for name, t, shape in (("k", k, (1, T, H, K)), ("v", v, (1, T, H, V)),
+        if H % Hqk != 0:
+            return f"v: its heads (HV = {H}) must be a multiple of q's and k's (H = {Hqk})"
+        for name, t, shape in (("k", k, (1, T, Hqk, K)), ("v", v, (1, T, H, V)),
                                ("g", g, (1, T, H, K)), ("beta", beta, (1, T, H))):
             if tuple(t.shape) != shape:
                 return f"{name} must be {list(shape)}, got {list(t.shape)}"
@@ -76,7 +78,7 @@ def chunk_kda_cp_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 @chunk_kda_cp_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, plan, num_docs, group, scale, output_final_state, backward, backend, agree):
-    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    H, K, V = v.shape[2], q.shape[3], v.shape[-1]  # H: the value heads
     sd = get_backend(backend).state_dtype
     final = q.new_empty((num_docs, H, K, V), dtype=sd) if output_final_state else q.new_empty((0,), dtype=sd)
     return q.new_empty((1, q.shape[1], H, V)), final, torch.empty(1, dtype=torch.int64, device="cpu")
@@ -128,8 +130,8 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     """Context-parallel KDA on this rank's LOCAL shards. Collective: every rank of `group`
     calls it with the same plan (built for its rank), in the same order; so is the backward.
 
-    q, k [1, T_local, H, K], v [1, T_local, H, V], g [1, T_local, H, K] (log decay, <= 0),
-    beta [1, T_local, H]; T_local = plan.num_local_tokens, tokens in plan.token_map order.
+    q, k [1, T_local, H, K], v [1, T_local, HV, V], g [1, T_local, HV, K] (log decay, <= 0),
+    beta [1, T_local, HV] (HV = H without grouped value heads); T_local = plan.num_local_tokens, tokens in plan.token_map order.
     initial_state: [N, H, K, V] (one row per global document) or None; only the rows of the
     documents whose first fragment is on this rank are read.
     scale: defaults to K ** -0.5. backward: "replay" | "saved" (bitwise-equal gradients).
@@ -158,7 +160,6 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval,
                        beta_dtype=beta.dtype if beta.dtype in (torch.float32, torch.float64) else torch.bfloat16)
-    q, k = expand_heads(q, k, v.shape[2])
     return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
                   agree=True)
 
@@ -184,6 +185,7 @@ def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: st
     problem = _validate(q, k, v, g, beta, initial_state, plan)
     shape = tuple(q.shape) if isinstance(q, torch.Tensor) else ()
     facts = {"H": shape[2] if len(shape) == 4 else None, "K": shape[3] if len(shape) == 4 else None,
+             "HV": v.shape[2] if isinstance(v, torch.Tensor) and v.dim() == 4 else None,
              "V": v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() else None,
              "scale": float(scale) if scale is not None else None,
              "state dtype": backend.state_dtype, "backend": backend.name}

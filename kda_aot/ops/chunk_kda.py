@@ -7,7 +7,8 @@ kernels need it) and packs with zero-length documents (the kernels see only the 
 zero-length document's final state is its initial state, its initial-state gradient the final-state
 gradient). Shapes the fake implementations give:
 
-    o [1, T, H, 128] bf16, final_state [N, H, 128, 128] fp32 ([0] when not asked for)
+    o [1, T, HV, 128] bf16, final_state [N, HV, 128, 128] fp32 ([0] when not asked for); q, k [1, T, H, 128]
+    with HV a multiple of H (grouped value heads, served inside the kernels)
     saved context (backward="saved"): the chunk intermediates, chunk-indexed ones over
     max_chunks(T, N) rows (the exact chunk count depends on the values of cu_seqlens)
 """
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
-from .gate import activate, expand_heads, kda_gate, kernel_gate
+from .gate import activate, kda_gate, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 from .._runtime.tensor import require_cuda
@@ -87,7 +88,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
     """o, final_state (or [0]) and, with save, the saved context (SAVED order, per-chunk tensors over
     max_chunks rows)."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
-    T, H = q.shape[1], q.shape[2]
+    T, H = v.shape[1], v.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
     _state_rows(h0, tables.n_docs, H, "initial_state")
     out, full = {}, {}
@@ -100,7 +101,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         for x in full.values():  # the rows past the pack's chunks hold zeros, not leftover memory
             x[C:].zero_()
     if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
-        o, final, *context = _fake_forward(q, h0, cu_seqlens, output_final_state, save)
+        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save)
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
         return (o, final, *(x.zero_() for x in context))
@@ -116,7 +117,9 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
     return (o, final, *(full.get(name, saved[name]) for name in SAVED))
 
 
-def _fake_forward(q, initial_state, cu_seqlens, output_final_state, save):
+def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save):
+    """Shapes from v (H: the value heads)."""
+    q = v
     T, H, N = q.shape[1], q.shape[2], cu_seqlens.shape[0] - 1
     o = q.new_empty(q.shape, dtype=torch.bfloat16)
     final = q.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(q)
@@ -148,7 +151,7 @@ def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
       gate_kind=0, lower_bound=0.0):
-    return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=False)
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, save=False)
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
@@ -166,7 +169,7 @@ def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 @chunk_kda_fwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
       gate_kind=0, lower_bound=0.0):
-    return _fake_forward(q, initial_state, cu_seqlens, output_final_state, save=True)
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, save=True)
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -183,18 +186,18 @@ def _backward_result(q, beta, tables, grads, decay, dfinal_state):
 
 def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state, gate):
     """The gradients of a pack of zero-length documents only (T = 0)."""
-    H = q.shape[2]
+    H = v.shape[2]
     dh0 = _no_state(q)
     if initial_state is not None:
         dh0 = dfinal_state.clone() if dfinal_state is not None else torch.zeros(
             tables.n_docs, H, HEAD_DIM, HEAD_DIM, device=q.device)
-    da_log, ddt_bias = _zero_gate_grads(q, gate)
+    da_log, ddt_bias = _zero_gate_grads(v, gate)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0, da_log, ddt_bias)
 
 
 def _zero_gate_grads(q, gate):
-    """dA_log, ddt_bias of a pack with no token: zeros ([0] without the gate's activation)."""
+    """dA_log, ddt_bias of a pack with no token: zeros ([0] without the gate's activation); q: v (its heads)."""
     if gate is None:
         return _no_state(q), _no_state(q)
     return (torch.zeros(q.shape[2], device=q.device, dtype=torch.float32),
@@ -225,8 +228,8 @@ def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
     if gate_kind == kda.GATE_RAW:
         da_log, ddt_bias = _no_state(q), _no_state(q)
     else:
-        da_log = q.new_empty((q.shape[2],), dtype=torch.float32)
-        ddt_bias = q.new_empty((q.shape[2], HEAD_DIM), dtype=torch.float32)
+        da_log = q.new_empty((v.shape[2],), dtype=torch.float32)
+        ddt_bias = q.new_empty((v.shape[2], HEAD_DIM), dtype=torch.float32)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
             beta.new_empty(beta.shape), dh0, da_log, ddt_bias)
 
@@ -282,7 +285,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dfinal_state, *_):
     q, k, v, g, beta, h0, cu_seqlens, A_log, dt_bias, *context = ctx.saved_tensors
     if do is None:
-        do = torch.zeros_like(q)
+        do = torch.zeros_like(v)
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
     gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
@@ -320,11 +323,20 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
         raise ValueError(f"q: head dim must be 128, got {q.shape[3]}")
     if H > MAX_HEADS:
         raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
-    for name, t in (("k", k), ("v", v), ("g", g)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
-    if tuple(beta.shape) != (B, T, H):
-        raise ValueError(f"beta: expected shape [{B}, {T}, {H}], got {list(beta.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T) or v.shape[3] != HEAD_DIM:
+        raise ValueError(f"v: expected shape [{B}, {T}, HV, 128] (HV a multiple of q's H = {H}), got "
+                         f"{list(v.shape)}")
+    HV = v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
+    if HV > MAX_HEADS:
+        raise ValueError(f"v: at most {MAX_HEADS} heads, got {HV}")
+    if g.shape != v.shape:
+        raise ValueError(f"g: expected shape {list(v.shape)} (as v), got {list(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta: expected shape [{B}, {T}, {HV}], got {list(beta.shape)}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
     for name, t, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
@@ -406,7 +418,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_qk_l2norm_in_kernel:
         _check_head_dim(q, "q")
         q, k = _qk_l2norm(q, k)
-    q, k = expand_heads(q, k, v.shape[2])
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                  cu_seqlens_cpu, mode, gate_args)
     if state_v_first and final is not None:
@@ -462,7 +473,7 @@ def _check_head_dim(x, name):
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
                       backward, gate_args=()):
-    """The KDA op on checked inputs of H heads each (q and k already normalised when asked); gate_args:
+    """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked); gate_args:
     the kernels' gate activation (kernel_gate), g then the raw gate."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args))
     B, T = q.shape[0], q.shape[1]

@@ -128,12 +128,3 @@ def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kerne
     if use_beta_sigmoid_in_kernel:
         beta = beta_sigmoid(beta, allow_neg_eigval, beta_dtype)
     return g, beta
-
-
-def expand_heads(q: Tensor, k: Tensor, value_heads: int) -> tuple:
-    """q, k [.., H, K] for each of the value heads (value head j reads head j // (HV / H)); their gradients
-    sum back over the group."""
-    H = q.shape[2]
-    if value_heads == H:
-        return q, k
-    return q.repeat_interleave(value_heads // H, dim=2), k.repeat_interleave(value_heads // H, dim=2)

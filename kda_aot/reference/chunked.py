@@ -6,7 +6,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .kda import CuSeqlens, _bounds, _check_kda_inputs, _chunk_akk, _decay_matrix, _to_head_first, chunk_prepare
+from .kda import (CuSeqlens, _bounds, _check_kda_inputs, _chunk_akk, _decay_matrix, _to_head_first, chunk_prepare,
+                  per_value_head, sum_value_head_groups)
 
 # ============================================================================ KDA explicit backward
 #
@@ -157,11 +158,13 @@ def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
         Akk          [1, T, H, chunk_size]  L (strictly lower, beta included)
         Akk_inv      [1, T, H, chunk_size]  (I + L)^-1 (unit lower); T = Akk_inv Diag(beta)
         scale, chunk_size, cu_seqlens (list), dtype, has_initial_state
-    Columns of Aqk/Akk/Akk_inv past the chunk's length are 0.
+    Columns of Aqk/Akk/Akk_inv past the chunk's length are 0. q, k may have fewer heads (grouped value
+    heads: H above is v's; Qg, Kg, W are per value head).
     """
-    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    T, H, K = q.shape[1], v.shape[2], q.shape[3]
     cu = _bounds(cu_seqlens, T)
     _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
+    q, k = per_value_head(q, H), per_value_head(k, H)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     with torch.no_grad():
@@ -319,7 +322,7 @@ def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.
     """Explicit backward of kda_chunked from kda_chunked_fwd_saved's result: do [1, T, H, V],
     dfinal_state [N, H, K, V] or None (= 0), and the forward's inputs (g is not needed beyond
     its saved cumsum; passed for symmetry and shape checks). Returns, in saved["dtype"],
-        dq, dk [1, T, H, K]   dv [1, T, H, V]   dg [1, T, H, K]   dbeta [1, T, H]
+        dq, dk [1, T, H, K] (q's heads)   dv [1, T, H, V]   dg [1, T, H, K]   dbeta [1, T, H]
         d_initial_state [N, H, K, V]   (the gradient w.r.t. the state entering each document,
                                         returned even when the forward had no initial state)
     Stages: dVp_loc (chunk-parallel), the state walk (a) -> dS tape, then chunk_bwd (b)."""
@@ -334,7 +337,9 @@ def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.
     if dfinal_state is not None and tuple(dfinal_state.shape) != tuple(saved["final_state"].shape):
         raise ValueError(f"dfinal_state must be {tuple(saved['final_state'].shape)}, "
                          f"got {tuple(dfinal_state.shape)}")
+    heads = q.shape[2]  # q's and k's (grouped value heads: their gradients summed over each group below)
     with torch.no_grad():
+        q, k = per_value_head(q, v.shape[2]), per_value_head(k, v.shape[2])
         q, k, v, beta, do = (x.detach().to(dt) for x in (q, k, v, beta, do))
         dfs = None if dfinal_state is None else dfinal_state.detach().to(dt)
 
@@ -354,4 +359,4 @@ def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.
             for name, out in (("dq", dq), ("dk", dk), ("dv", dv), ("dg", dg)):
                 out[0, c0:c1] = r[name].transpose(0, 1)
             dbeta[0, c0:c1] = r["dbeta"].transpose(0, 1)
-    return dq, dk, dv, dg, dbeta, dh0
+    return sum_value_head_groups(dq, heads), sum_value_head_groups(dk, heads), dv, dg, dbeta, dh0

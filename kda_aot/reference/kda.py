@@ -25,16 +25,21 @@ def _bounds(cu_seqlens: CuSeqlens, T: int) -> List[int]:
 
 
 def _check_kda_inputs(q, k, v, g, beta, initial_state, n_docs):
+    """q, k [1, T, H, K]; v [1, T, HV, V], g [1, T, HV, K], beta [1, T, HV] and the states with HV heads, a
+    multiple of H (grouped value heads)."""
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q must be [1, T, H, K], got {tuple(q.shape)}")
     _, T, H, K = q.shape
-    V = v.shape[-1]
-    for name, t, shape in (("k", k, (1, T, H, K)), ("v", v, (1, T, H, V)),
-                           ("g", g, (1, T, H, K)), ("beta", beta, (1, T, H))):
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k must be {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[2] % H != 0:
+        raise ValueError(f"v must be [1, T, HV, V] with HV a multiple of q's and k's H = {H}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[-1]
+    for name, t, shape in (("v", v, (1, T, HV, V)), ("g", g, (1, T, HV, K)), ("beta", beta, (1, T, HV))):
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
-    if initial_state is not None and tuple(initial_state.shape) != (n_docs, H, K, V):
-        raise ValueError(f"initial_state must be {(n_docs, H, K, V)}, "
+    if initial_state is not None and tuple(initial_state.shape) != (n_docs, HV, K, V):
+        raise ValueError(f"initial_state must be {(n_docs, HV, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
     if not torch.compiler.is_compiling() and not bool((g <= 0).all()):  # (a compiled graph would break on it)
         raise ValueError("g: the log decay must be <= 0 everywhere (-inf resets a channel); got a positive or NaN "
@@ -97,6 +102,23 @@ def chunk_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     return out
 
 
+def per_value_head(x: torch.Tensor, value_heads: int) -> torch.Tensor:
+    """q or k [.., T, H, K] as each value head reads it: value head j reads head j // (HV / H) (a gather:
+    the math is per value head; autograd sums each group's gradients)."""
+    H = x.shape[-2]
+    if value_heads == H:
+        return x
+    return x.index_select(-2, torch.arange(value_heads, device=x.device) // (value_heads // H))
+
+
+def sum_value_head_groups(dx: torch.Tensor, heads: int) -> torch.Tensor:
+    """per_value_head's adjoint: dq or dk [1, T, HV, K] per value head summed over each group -> [1, T, H, K]."""
+    HV = dx.shape[2]
+    if HV == heads:
+        return dx
+    return dx.reshape(*dx.shape[:2], heads, HV // heads, dx.shape[3]).sum(3)
+
+
 def _to_head_first(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     """[1, T, H, *] token slice [a, b) -> [H, b-a, *]."""
     return x[0, a:b].transpose(0, 1)
@@ -109,11 +131,13 @@ def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[fl
                   output_final_state: bool = False,
                   dtype: torch.dtype = torch.float64
                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Token-by-token KDA recurrence. Returns (o [1, T, H, V], final_state [N, H, K, V] or None),
-    both in `dtype`. Vectorised over heads, loops over documents and tokens."""
-    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    """Token-by-token KDA recurrence. Returns (o [1, T, HV, V], final_state [N, HV, K, V] or None),
+    both in `dtype` (q, k [1, T, H, K]; HV a multiple of H). Vectorised over heads, loops over documents and
+    tokens."""
+    T, H, K = q.shape[1], v.shape[2], q.shape[3]
     cu = _bounds(cu_seqlens, T)
     _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
+    q, k = per_value_head(q, H), per_value_head(k, H)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
@@ -141,9 +165,10 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked KDA exactly as DESIGN.md §2. Chunks restart at every document start; a
     document's last chunk may be short. Same arguments and results as kda_recurrent."""
-    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    T, H, K = q.shape[1], v.shape[2], q.shape[3]
     cu = _bounds(cu_seqlens, T)
     _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
+    q, k = per_value_head(q, H), per_value_head(k, H)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
@@ -172,14 +197,15 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
 def fragment_summary(k, v, g, beta, chunk_size: int = 64, dtype: torch.dtype = torch.float64
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Affine summary of ONE fragment (a run of tokens of one document; chunks restart at
-    the fragment start). k, g [L, H, K], v [L, H, V], beta [L, H].
+    the fragment start). k [L, Hk, K] (Hk dividing H: grouped value heads), g [L, H, K], v [L, H, V], beta [L, H].
 
     Returns M [H, K, K] = A_n ... A_1 and B [H, K, V] = end state walked from zero, so that
     S_out = M S_in + B. Per chunk A_c = Diag(exp gam) - (K*exp(gam-Gam))^T W and
     B_c = (K*exp(gam-Gam))^T U (DESIGN.md §2).
     """
-    Lf, H, K = k.shape
+    Lf, H, K = g.shape
     V = v.shape[-1]
+    k = per_value_head(k, H)
     k, v, g, beta = (x.to(dtype) for x in (k, v, g, beta))
     M = torch.eye(K, dtype=dtype, device=k.device).repeat(H, 1, 1)   # empty fragment: M = I, B = 0
     B = torch.zeros(H, K, V, dtype=dtype, device=k.device)

@@ -17,11 +17,23 @@ from .._runtime.tensor import out_or
 from .plan import replay_plan, segment_runs
 
 
-def _check_dout(dout, q):
+def _check_dout(dout, v):
     if not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
-    if dout.shape != q.shape:
-        raise ValueError(f"dout: expected shape {list(q.shape)} (as o), got {list(dout.shape)}")
+    if dout.shape != v.shape:
+        raise ValueError(f"dout: expected shape {list(v.shape)} (as o), got {list(dout.shape)}")
+
+
+def sum_value_head_groups(dx: torch.Tensor, heads: int) -> torch.Tensor:
+    """kda_bwd_gate's dq or dk [1, T, H, 128] bf16, one per value head, summed over each q, k head's group
+    of H / heads value heads (grouped value heads): [1, T, heads, 128] bf16, accumulated in fp32 and rounded
+    once. torch's sum over the group: no atomics, and a group this short is summed by one thread in a fixed
+    order whatever the other dims (the replay's head groups give the saved mode's bits: tested on the GPU);
+    without grouping dx itself."""
+    H = dx.shape[2]
+    if H == heads:
+        return dx
+    return dx.view(dx.shape[0], dx.shape[1], heads, H // heads, dx.shape[3]).sum(3)
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, need_dtape=True,
@@ -33,7 +45,7 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     for neither). `out` may hold preallocated tensors.
     walk_form: auto | full | split | quarter (default: Options.walk_form, auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
-    q = saved["q"]
+    q = saved["v"]  # (H: the value heads)
     _check_dout(dout, q)
     N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
     scale = saved["scale"]
@@ -65,7 +77,7 @@ _BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daq
 
 def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     """kda_bwd_chunk's inputs (from saved, dout, dtape) and its outputs, allocated (nothing launched)."""
-    q = saved["q"]
+    q = saved["v"]  # (H: the value heads)
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
     T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
@@ -91,8 +103,9 @@ def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None
 
 
 def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
-    """kda_bwd_gate's inputs (from saved and kda_bwd_chunk's outputs) and its outputs, allocated."""
-    q = saved["q"]
+    """kda_bwd_gate's inputs (from saved and kda_bwd_chunk's outputs) and its outputs, allocated (dq, dk one per
+    value head: _gate_result sums each group)."""
+    q = saved["v"]  # (H: the value heads)
     T, H = q.shape[1], q.shape[2]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
@@ -123,9 +136,10 @@ def _gate_result(t: dict, dv, dh0) -> tuple:
     """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run, and with the
     gate's activation (dg: the raw gate's) the per-chunk parts of dA_log [C, H, 2] and ddt_bias [C, H, 128]
     after them (gate_parameter_grads sums them)."""
-    q = t["q"]
+    heads = t["q"].shape[2]
     dbeta = t["dbeta"] if "dbeta" in t else (t["dbeta_part"][0] + t["dbeta_part"][1]) + t["dbeta_v"][0]
-    grads = (t["dq"], t["dk"], dv, t["dg"], dbeta.view(1, q.shape[1], q.shape[2]), dh0)
+    grads = (sum_value_head_groups(t["dq"], heads), sum_value_head_groups(t["dk"], heads), dv, t["dg"],
+             dbeta.view(dv.shape[:3]), dh0)
     if t.get("gate") is None:
         return grads
     return grads + (t["da_log_part"], t["ddt_bias_part"])
@@ -180,7 +194,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     side stream on the SMs fit.rewalk_beside gives it, beside kda_bwd_chunk over the other segments'
     chunks, then kda_bwd_chunk over theirs; or (no such SM count) the walk first on every SM (alone,
     a rewalk runs on a GPU kda_bwd_chunk could fill: docs/cp.md)."""
-    q = saved["q"]
+    q = saved["v"]  # (H: the value heads)
     lengths, H = saved["chain_lengths"], q.shape[2]
     runs = segment_runs(set(rewalk), len(lengths))
     form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
@@ -244,16 +258,19 @@ def _available_bytes(device) -> int:
     return int(0.85 * (free + cached))
 
 
-_LAST_GROUPS: dict = {}  # (T, H, n_chunks, device) -> the grouping of the last eager call
+_LAST_GROUPS: dict = {}  # (T, q heads, group, n_chunks, device) -> the grouping of the last eager call
 
 
-def _replay_groups(T: int, H: int, n_chunks: int, device) -> list:
-    """The replay backward's head groups. Under CUDA-graph capture no memory query is made: the
+def _replay_groups(T: int, H: int, G: int, n_chunks: int, device) -> list:
+    """The replay backward's groups of q, k heads [0, H), each with its G value heads (Options.max_heads
+    counts value heads). Under CUDA-graph capture no memory query is made: the
     grouping of the last eager call of this shape is reused (warm up before capturing)."""
-    key = (T, H, n_chunks, torch.device(device))
+    key = (T, H, G, n_chunks, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
         return _LAST_GROUPS.get(key, [(0, H)])
-    groups = head_groups(H, replay_bytes_per_head(T, n_chunks), _available_bytes(device))
+    limit = options.current().max_heads
+    groups = head_groups(H, G * replay_bytes_per_head(T, n_chunks), _available_bytes(device),
+                         max(1, limit // G) if limit else 0)
     _LAST_GROUPS[key] = groups
     return groups
 
@@ -265,7 +282,7 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
     [dtape, d_initial_state] or None; dtape None for need_dtape=False, the offset walk). Bitwise the
     same as the walks one after the other (Options.replay_overlap=False)."""
-    q = prepared["q"]
+    q = prepared["v"]  # (H: the value heads)
     T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
     out = {"tape": torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32),
@@ -319,11 +336,11 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
     chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md)."""
     prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate)
-    _check_dout(do, q)
+    _check_dout(do, v)
     do = do.contiguous()  # once, not per group
-    H = q.shape[2]
+    H = v.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
-    outs = kda._walk_outputs(q, N, C, None, save_tape=True, want_output=False, output_final_state=False)
+    outs = kda._walk_outputs(v, N, C, None, save_tape=True, want_output=False, output_final_state=False)
     dtape = torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced, skip_bwd=skip_bwd)
@@ -337,10 +354,11 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
 def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs). With
     gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
-    (_gate_result)."""
-    T, H = q.shape[1], q.shape[2]
+    (_gate_result). With grouped value heads a head group is whole q, k heads, each with its value heads."""
+    T, H = v.shape[1], v.shape[2]
+    G = H // q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
-    groups = _replay_groups(T, H, tables.chunks.shape[0], q.device)
+    groups = [(a * G, b * G) for a, b in _replay_groups(T, q.shape[2], G, tables.chunks.shape[0], q.device)]
     if len(groups) == 1:
         return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -354,9 +372,12 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None)
     for a, b in groups:
         part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
         state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
-        got = _replay_step(part(q), part(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
+        qk = lambda x: x[:, :, a // G:b // G].contiguous()  # noqa: E731
+        got = _replay_step(qk(q), qk(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
                            cu_seqlens, scale, part(do), state(dht), None if gate is None else gate.heads(a, b))
-        for full, x in zip(grads[:5], got[:5]):
+        for full, x in zip(grads[:2], got[:2]):
+            full[:, :, a // G:b // G].copy_(x)
+        for full, x in zip(grads[2:5], got[2:5]):
             full[:, :, a:b].copy_(x)
         if grads[5] is not None:
             grads[5][:, a:b].copy_(got[5])

@@ -1,7 +1,8 @@
 """Single-device chunked KDA on packed documents (DESIGN.md §2): the kernel calls and their order.
 
-Shapes: q, k, v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 (log decay per channel), beta [1, T, H]
-bf16, cu_seqlens [N + 1] (or its kda_aot._runtime.packing.PackTables), initial/final state [N, H, 128, 128]
+Shapes: v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 (log decay per channel), beta [1, T, H]
+bf16; q, k [1, T, H / G, 128] bf16 (grouped value heads: value head h reads q, k head h // G inside the
+kernels; G = 1 without grouping; dq, dk come back summed over each group), cu_seqlens [N + 1] (or its kda_aot._runtime.packing.PackTables), initial/final state [N, H, 128, 128]
 fp32, one row per segment (a non-empty document). The forward runs two programs: kda_fwd_chunk
 (chunk-parallel W, U, Aqk, ...) and kda_fwd_walk (the sequential state walk with the output stage
 fused; it also writes the fp32 state at every chunk start and V' when the saved-context backward
@@ -74,12 +75,14 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
         raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q: expected shape [1, T, H, 128] (packed documents), got {list(q.shape)}")
-    T, H = q.shape[1], q.shape[2]
-    if H > MAX_HEADS:
-        raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
-    for name, t in (("k", k), ("v", v), ("g", g)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name}: expected shape {list(q.shape)} (as q), got {list(t.shape)}")
+    if q.shape[2] > MAX_HEADS:
+        raise ValueError(f"q: at most {MAX_HEADS} heads, got {q.shape[2]}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
+    T, H = q.shape[1], value_heads(q, v)
+    for name, t in (("v", v), ("g", g)):
+        if t.shape != (1, T, H, q.shape[3]):
+            raise ValueError(f"{name}: expected shape {[1, T, H, q.shape[3]]} (as v), got {list(t.shape)}")
     if tuple(beta.shape) != (1, T, H):
         raise ValueError(f"beta: expected shape [1, {T}, {H}], got {list(beta.shape)}")
     tables = tables_of(cu_seqlens, T, q.device)
@@ -91,6 +94,19 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     return tables
+
+
+def value_heads(q, v) -> int:
+    """v's heads H, checked against q's (grouped value heads: a multiple of them, at most MAX_HEADS)."""
+    if v.dim() != 4 or v.shape[1] != q.shape[1]:
+        raise ValueError(f"v: expected shape [1, {q.shape[1]}, H, 128] (as q, H a multiple of q's heads), got "
+                         f"{list(v.shape)}")
+    H = v.shape[2]
+    if H > MAX_HEADS:
+        raise ValueError(f"v: at most {MAX_HEADS} heads, got {H}")
+    if H % q.shape[2] != 0:
+        raise ValueError(f"v: its heads (HV = {H}) must be a multiple of q's and k's (H = {q.shape[2]})")
+    return H
 
 
 def tables_of(cu_seqlens, T: int, device) -> PackTables:
@@ -190,7 +206,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
     preallocated gamma; gate: the gate's activation (g the raw gate), kept for the backward."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
-    T, H = q.shape[1], q.shape[2]
+    T, H = v.shape[1], v.shape[2]
     C = tables.chunks.shape[0]
     bf16 = dict(device=q.device, dtype=torch.bfloat16)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -223,13 +239,13 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
         library.launch({**desc, **gate.descriptors()}, t["scale"], stream_of(t["q"]), gate.kind, gate.lower_bound)
 
 
-def _walk_outputs(q, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
-    """The forward walk's outputs (tape, vnew, o, final_state; None where not asked for), taken from
-    `out` where the caller preallocated them, else allocated on the current stream."""
+def _walk_outputs(v, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
+    """The forward walk's outputs (tape, vnew, o, final_state; None where not asked for; H: v's heads), taken
+    from `out` where the caller preallocated them, else allocated on the current stream."""
     out = out or {}
-    T, H = q.shape[1], q.shape[2]
-    bf16 = dict(device=q.device, dtype=torch.bfloat16)
-    f32 = dict(device=q.device, dtype=torch.float32)
+    T, H = v.shape[1], v.shape[2]
+    bf16 = dict(device=v.device, dtype=torch.bfloat16)
+    f32 = dict(device=v.device, dtype=torch.float32)
     return {
         "tape": out_or(out, "tape", lambda: torch.empty(C, H, HEAD_DIM, HEAD_DIM, **f32)) if save_tape else None,
         "vnew": out_or(out, "vnew", lambda: torch.empty(1, T, H, HEAD_DIM, **bf16)) if save_tape else None,
@@ -246,17 +262,17 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     `out` may hold preallocated o, final_state, tape, vnew. sm_count: the SMs the fit rule plans
     for (default: the device's; the replay plans each of its two concurrent walks on half); pool: the
     side-stream pool of a mixed plan (walks running at the same time need pools of their own)."""
-    q = prepared["q"]
-    H = q.shape[2]
+    v = prepared["v"]
+    H = v.shape[2]
     N, C = prepared["seg_chunks"].numel() - 1, prepared["chunks"].shape[0]
     if save_tape and prepared.get("akk_inv") is None:
         raise ValueError("save_tape: prepare the chunk stage with save_tape=True too (the backward reads (I + L)^-1)")
     t = dict(prepared, initial_state=initial_state,
-             **_walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
+             **_walk_outputs(v, N, C, out, save_tape=save_tape, want_output=want_output,
                              output_final_state=output_final_state))
     if not save_tape:
         t["akk_inv"] = None
-    _launch_walk("kda_fwd_walk", t, prepared["chain_lengths"], H, t["scale"], q.device, walk_form, sm_count, pool)
+    _launch_walk("kda_fwd_walk", t, prepared["chain_lengths"], H, t["scale"], v.device, walk_form, sm_count, pool)
     return t["o"], t["final_state"], t
 
 
@@ -308,14 +324,14 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     (the deferred ones whose summaries the exchange computes; default: all) only, the deferred walks then for
     their own chunk stage - not for the rest of the chunk stage, which the walks beside it may slow: the
     exchange goes as soon as the ranks' senders are done."""
-    q = prepared["q"]
-    H = q.shape[2]
+    v = prepared["v"]
+    H = v.shape[2]
     N, C = len(prepared["chain_lengths"]), prepared["chunks"].shape[0]
-    full = _walk_outputs(q, N, C, out, save_tape=save_tape, want_output=want_output,
+    full = _walk_outputs(v, N, C, out, save_tape=save_tape, want_output=want_output,
                          output_final_state=output_final_state)
-    plan = forward_plan(prepared["chain_lengths"], H, device_sms(q.device), first=senders, deferred=deferred,
+    plan = forward_plan(prepared["chain_lengths"], H, device_sms(v.device), first=senders, deferred=deferred,
                         cp=exchange is not None, summarised=summarised, exchange_beside=exchange_beside)
-    piece_chunks, handoff = execute.piece_buffers(plan, H, q.device, ("handoff",))
+    piece_chunks, handoff = execute.piece_buffers(plan, H, v.device, ("handoff",))
     buffers = {"initial_state": initial_state, "final_state": full["final_state"], **handoff}
     execute.run(plan, execute.Call(prepared, buffers, full, save_tape=save_tape, want_output=want_output,
                                    walk_form=walk_form, piece_chunks=piece_chunks, exchange=exchange))
@@ -373,7 +389,7 @@ def chunk_kda_transfer(saved: dict):
     split-bf16 products): S_out = M S_in + B with B the segment's final state from a zero entering
     state. [N, H, 128, 128] fp32 (N = 1 on a segment_view)."""
     q = saved["q"]
-    N, H = saved["seg_chunks"].numel() - 1, q.shape[2]
+    N, H = saved["seg_chunks"].numel() - 1, saved["w"].shape[2]
     t = {name: saved[name] for name in ("q", "chunks", "seg_chunks", "w", "kg", "gamma")}
     t["transfer"] = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     desc = {name: describe(x, name) for name, x in t.items()}

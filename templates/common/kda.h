@@ -1,7 +1,9 @@
 // Launch arguments of the single-device chunked KDA forward programs (kda_fwd_chunk: the
 // chunk-parallel stage; kda_fwd_walk: the state walk with the output stage fused). Layouts follow flash-linear-attention's chunk_kda: token-major
 // [T, H, 128] for q, k, v, g and every per-token intermediate; chunk-major [n_chunks, H, ...] for
-// per-chunk tensors. bf16 data is passed as raw 16-bit words.
+// per-chunk tensors. bf16 data is passed as raw 16-bit words. Grouped value heads (FLA's HV > H): H is the
+// value heads (v, g, beta, o, the states and every intermediate); q and k have qk_heads = H / qk_group heads,
+// and value head h reads q, k head h / qk_group.
 #pragma once
 #include <cstdint>
 
@@ -36,8 +38,8 @@ struct KdaGate {
 
 struct KdaFwdArgs {
   // inputs
-  const uint16_t* q;            // [T, H, 128] bf16
-  const uint16_t* k;            // [T, H, 128] bf16
+  const uint16_t* q;            // [T, qk_heads, 128] bf16
+  const uint16_t* k;            // [T, qk_heads, 128] bf16
   const uint16_t* v;            // [T, H, 128] bf16
   const float* g;               // [T, H, 128] fp32 log decay (<= 0)
   const uint16_t* beta;         // [T, H] bf16
@@ -45,6 +47,7 @@ struct KdaFwdArgs {
   const int32_t* chunks;        // [n_chunks, 2]: (first token, end token) of each chunk, packed order
   const int32_t* seg_chunks;    // [N + 1]: first chunk of each segment
   int64_t T, N, H, n_chunks;
+  int64_t qk_heads, qk_group;   // q's and k's heads, and the value heads that read each (H = qk_heads * qk_group)
   float scale;
   // kda_fwd_chunk outputs (chunk-parallel intermediates)
   uint16_t* w;                  // [T, H, 128] bf16  W = T_c (K * exp(Gamma))
@@ -107,11 +110,11 @@ struct KdaBwdArgs {
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
   float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)
   // kda_bwd_gate inputs: q, k, g, beta and the fp32 intermediates above; outputs:
-  const uint16_t* q;             // [T, H, 128] bf16
-  const uint16_t* k;             // [T, H, 128] bf16
+  const uint16_t* q;             // [T, qk_heads, 128] bf16
+  const uint16_t* k;             // [T, qk_heads, 128] bf16
   const float* g;                // [T, H, 128] fp32
-  uint16_t* dq;                  // [T, H, 128] bf16
-  uint16_t* dk;                  // [T, H, 128] bf16
+  uint16_t* dq;                  // [T, H, 128] bf16: per value head (the caller sums each q head's group)
+  uint16_t* dk;                  // [T, H, 128] bf16: per value head (likewise)
   float* dg;                     // [T, H, 128] fp32
   uint16_t* dg_bf16;             // [T, H, 128] bf16: dg in the raw gate's dtype when gate.raw_bf16 (dg then null)
   float* dbeta;                  // [T, H] fp32
@@ -122,6 +125,7 @@ struct KdaBwdArgs {
   float* ddt_bias_part;          // [n_chunks, H, 128] fp32: sum over the chunk's rows of dg
   float* da_log_part;            // [n_chunks, H, 2] fp32: per channel half, sum of dG dG/dA_log (full width: [.., 1] = 0)
   int64_t T, N, H, n_chunks;
+  int64_t qk_heads, qk_group;    // as KdaFwdArgs
   float scale;
 };
 

@@ -10,10 +10,11 @@
 
 namespace kda {
 
-// Checked tensors of one call: dims from q (or dout), chunks and seg_chunks.
+// Checked tensors of one call: dims from q (or dout), the value heads H (v, dout, w, kg or g), chunks and seg_chunks.
 struct KdaTensors {
   std::map<std::string, Tensor> t;
   int64_t T = 0, N = 0, H = 0, C = 0;
+  int64_t Hqk = 0;  // q's and k's heads: H / Hqk value heads read each (grouped value heads)
   uint64_t ptr(const char* name) const {
     auto it = t.find(name);
     return it == t.end() ? 0 : it->second.ptr;
@@ -65,15 +66,26 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   if (need_with_o && t.count("o") && t["o"].present && !(t.count(need_with_o) && t[need_with_o].present))
     fail_type(std::string(what) + ": " + need_with_o + " is required with o");
 
-  // q (or dout) fixes T and H; chunks fixes the chunk count; seg_chunks the segment count.
+  // q (or dout) fixes T and q's heads; the first given of v, dout, w, kg, g the value heads H, a multiple of
+  // q's (grouped value heads); chunks fixes the chunk count; seg_chunks the segment count.
   const Tensor& q = t.count("q") && t["q"].present ? t["q"] : t["dout"];
   expect_dtype(q, kBFloat16);
   if (q.shape.size() != 4 || q.shape[0] != 1)
     fail_value(q.name + ": expected shape [1, T, H, 128] (packed documents, batch 1), got " + join(q.shape));
   if (q.shape[3] != kHeadDim) fail_value(q.name + ": head dim must be 128, got " + std::to_string(q.shape[3]));
-  const int64_t T = q.shape[1], H = q.shape[2];
-  if (H < 1 || H > kMaxHeads) fail_value(q.name + ": heads must be 1 .. 64, got " + std::to_string(H));
+  const int64_t T = q.shape[1];
+  if (q.shape[2] < 1 || q.shape[2] > kMaxHeads)
+    fail_value(q.name + ": heads must be 1 .. 64, got " + std::to_string(q.shape[2]));
   if (T < 1 || T > INT32_MAX) fail_value(q.name + ": T must be in 1 .. 2^31 - 1, got " + std::to_string(T));
+  const Tensor* heads = &q;
+  for (const char* name : {"v", "dout", "w", "kg", "g"})
+    if (heads == &q && t.count(name) && t[name].present && t[name].shape.size() == 4) heads = &t[name];
+  const int64_t H = heads->shape[2];
+  if (H < 1 || H > kMaxHeads) fail_value(heads->name + ": heads must be 1 .. 64, got " + std::to_string(H));
+  const int64_t Hqk = q.name == "q" ? q.shape[2] : H;  // without q the program reads no q, k head
+  if (H % Hqk != 0)
+    fail_value(heads->name + ": its heads (HV = " + std::to_string(H) + ") must be a multiple of q's and k's (H = " +
+               std::to_string(Hqk) + ")");
   const Tensor& chunks = t["chunks"];
   expect_dtype(chunks, kInt32);
   if (chunks.shape.size() != 2 || chunks.shape[1] != 2 || chunks.shape[0] < 1)
@@ -91,12 +103,14 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     std::vector<int64_t> shape;
     const char* spelled;
   };
+  // H: the value heads; q and k have Hqk (H = Hqk with no grouping)
   const std::vector<int64_t> tok = {1, T, H, kHeadDim}, state = {N, H, kHeadDim, kHeadDim};
+  const std::vector<int64_t> tok_qk = {1, T, Hqk, kHeadDim};
   const std::vector<Spec> specs = {
-      {"q", kBFloat16, tok, "[1, T, H, 128]"},
-      {"k", kBFloat16, tok, "[1, T, H, 128] (as q)"},
-      {"v", kBFloat16, tok, "[1, T, H, 128] (as q)"},
-      {"g", kFloat32, tok, "[1, T, H, 128] (as q)"},
+      {"q", kBFloat16, tok_qk, "[1, T, Hqk, 128]"},
+      {"k", kBFloat16, tok_qk, "[1, T, Hqk, 128] (as q)"},
+      {"v", kBFloat16, tok, "[1, T, H, 128] (H: a multiple of q's heads)"},
+      {"g", kFloat32, tok, "[1, T, H, 128] (as v)"},
       {"beta", kBFloat16, {1, T, H}, "[1, T, H]"},
       {"initial_state", kFloat32, state, "[N, H, 128, 128]"},
       {"chunks", kInt32, {C, 2}, "[n_chunks, 2]"},
@@ -164,6 +178,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
   out.T = T;
   out.N = N;
   out.H = H;
+  out.Hqk = Hqk;
   out.C = C;
   return out;
 }
@@ -218,6 +233,8 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.T = k.T;
   a.N = k.N;
   a.H = k.H;
+  a.qk_heads = k.Hqk;
+  a.qk_group = k.H / k.Hqk;
   a.n_chunks = k.C;
   a.scale = static_cast<float>(scale);
   a.w = reinterpret_cast<uint16_t*>(k.ptr("w"));
@@ -289,6 +306,8 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.T = k.T;
   a.N = k.N;
   a.H = k.H;
+  a.qk_heads = k.Hqk;
+  a.qk_group = k.H / k.Hqk;
   a.n_chunks = k.C;
   a.scale = static_cast<float>(scale);
   run_launcher(launcher, a, stream, what);
