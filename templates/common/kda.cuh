@@ -63,27 +63,111 @@ __device__ __forceinline__ SoftplusSigmoid softplus_sigmoid(float z) {
   return r;
 }
 
+// The log decay of raw gate x under activation kKind (not kGateRaw), from the head's a = exp(A_log) and the
+// channel's dt_bias: every caller forms it with these operations in this order (the same bits everywhere).
+template <int kKind>
+__device__ __forceinline__ float activated_gate_of(float a, float dt, float lower_bound, float x) {
+  const float z = __fadd_rn(x, dt);
+  if (kKind == kGateSoftplus) return __fmul_rn(-a, softplus_sigmoid(z).softplus);
+  return __fmul_rn(lower_bound, softplus_sigmoid(__fmul_rn(a, z)).sigmoid);
+}
+
 // The log decay of raw gate x (x itself for kGateRaw).
 __device__ __forceinline__ float activated_gate(const GateChannel& c, float x) {
   if (c.kind == kGateRaw) return x;
-  const float z = __fadd_rn(x, c.dt);
-  if (c.kind == kGateSoftplus) return __fmul_rn(-c.a, softplus_sigmoid(z).softplus);
-  return __fmul_rn(c.lower_bound, softplus_sigmoid(__fmul_rn(c.a, z)).sigmoid);
+  if (c.kind == kGateSoftplus) return activated_gate_of<kGateSoftplus>(c.a, c.dt, c.lower_bound, x);
+  return activated_gate_of<kGateSigmoid>(c.a, c.dt, c.lower_bound, x);
+}
+
+// d g / d x and d g / d A_log of activation kKind (not kGateRaw) at raw x.
+template <int kKind>
+__device__ __forceinline__ void gate_derivatives_of(float a, float dt, float lower_bound, float x, float& d_x,
+                                                    float& d_alog) {
+  const float z = __fadd_rn(x, dt);
+  if (kKind == kGateSoftplus) {
+    const SoftplusSigmoid f = softplus_sigmoid(z);
+    d_x = __fmul_rn(-a, f.sigmoid);
+    d_alog = __fmul_rn(-a, f.softplus);  // g itself: A = exp(A_log)
+  } else {
+    const float az = __fmul_rn(a, z), s = softplus_sigmoid(az).sigmoid;
+    const float slope = __fmul_rn(lower_bound, __fmul_rn(s, __fsub_rn(1.f, s)));  // d g / d (a z)
+    d_x = __fmul_rn(slope, a);
+    d_alog = __fmul_rn(slope, az);
+  }
 }
 
 // d g / d x and d g / d A_log of the activation at raw x (kind != kGateRaw).
 __device__ __forceinline__ void gate_derivatives(const GateChannel& c, float x, float& d_x, float& d_alog) {
-  const float z = __fadd_rn(x, c.dt);
-  if (c.kind == kGateSoftplus) {
-    const SoftplusSigmoid f = softplus_sigmoid(z);
-    d_x = __fmul_rn(-c.a, f.sigmoid);
-    d_alog = __fmul_rn(-c.a, f.softplus);  // g itself: A = exp(A_log)
-  } else {
-    const float az = __fmul_rn(c.a, z), s = softplus_sigmoid(az).sigmoid;
-    const float slope = __fmul_rn(c.lower_bound, __fmul_rn(s, __fsub_rn(1.f, s)));  // d g / d (a z)
-    d_x = __fmul_rn(slope, c.a);
-    d_alog = __fmul_rn(slope, az);
+  if (c.kind == kGateSoftplus) gate_derivatives_of<kGateSoftplus>(c.a, c.dt, c.lower_bound, x, d_x, d_alog);
+  else gate_derivatives_of<kGateSigmoid>(c.a, c.dt, c.lower_bound, x, d_x, d_alog);
+}
+
+// The gate's parameters of a thread's eight channels c0 + 8 (tid % (kCols / 8)) .. + 7, the channels it
+// activates in activate_gate_tile (loaded before the tiles' wait so that their latency hides behind it).
+struct GateVec {
+  int kind;
+  float a;  // exp(A_log) of the head
+  float lower_bound;
+  float dt[8];  // dt_bias of the eight channels
+};
+
+template <int kCols, int kThreads>
+__device__ __forceinline__ GateVec gate_vec(const KdaGate& gate, int64_t h, int c0, int tid) {
+  GateVec v;
+  const GateChannel c = gate_channel(gate, h, c0);  // a and lower_bound as every program forms them
+  v.kind = c.kind;
+  v.a = c.a;
+  v.lower_bound = c.lower_bound;
+  const int col = c0 + (tid % (kCols / 8)) * 8;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v.dt[e] = gate.dt_bias ? gate.dt_bias[h * kHeadDim + col + e] : 0.f;
+  return v;
+}
+
+template <int kKind, int kCols, int kPitchG, int kThreads>
+__device__ __forceinline__ void activate_gate_rows(float (*G)[kPitchG], uint16_t (*raw)[kCols], const GateVec& v,
+                                                   int len, int tid) {
+  constexpr int kVecs = kCols / 8, kRowsPerStep = kThreads / kVecs;
+  static_assert(kThreads % kVecs == 0 && kChunk % kRowsPerStep == 0, "whole rows a step");
+  const int col = (tid % kVecs) * 8;
+#pragma unroll
+  for (int step = 0; step < kChunk / kRowsPerStep; ++step) {
+    const int r = tid / kVecs + step * kRowsPerStep;
+    float x[8];
+    if (raw) {
+      const uint4 w = *reinterpret_cast<const uint4*>(&raw[r][col]);
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[2 * e] = __uint_as_float(u[e] << 16);
+        x[2 * e + 1] = __uint_as_float(u[e] & 0xFFFF0000u);
+      }
+    } else {
+      const float4 p = *reinterpret_cast<const float4*>(&G[r][col]), q = *reinterpret_cast<const float4*>(&G[r][col + 4]);
+      x[0] = p.x; x[1] = p.y; x[2] = p.z; x[3] = p.w; x[4] = q.x; x[5] = q.y; x[6] = q.z; x[7] = q.w;
+    }
+    // every row activated (rows >= len hold zeros), then rows >= len zeroed: a select, not a branch an element
+    // (a branch around each element's MUFU chain kept the eight chains from overlapping)
+    float y[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = activated_gate_of<kKind>(v.a, v.dt[e], v.lower_bound, x[e]);
+    const bool valid = r < len;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) y[e] = valid ? y[e] : 0.f;  // rows >= len: no decay
+    *reinterpret_cast<float4*>(&G[r][col]) = make_float4(y[0], y[1], y[2], y[3]);
+    *reinterpret_cast<float4*>(&G[r][col + 4]) = make_float4(y[4], y[5], y[6], y[7]);
   }
+}
+
+// The raw gate of one chunk's kCols channels activated into G ([kChunk][kPitchG] fp32, rows >= len zero: no
+// decay): from the bf16 tile raw ([kChunk][kCols]) or, raw null, from G itself (an fp32 raw gate). Eight
+// channels a thread per step with the kind dispatched once: per element its arithmetic only (the loop over
+// single elements spent ~40 instructions an element, its chain of two MUFU ops not overlapped).
+template <int kCols, int kPitchG, int kThreads>
+__device__ __forceinline__ void activate_gate_tile(float (*G)[kPitchG], uint16_t (*raw)[kCols], const GateVec& v,
+                                                   int len, int tid) {
+  if (v.kind == kGateSoftplus) activate_gate_rows<kGateSoftplus, kCols, kPitchG, kThreads>(G, raw, v, len, tid);
+  else activate_gate_rows<kGateSigmoid, kCols, kPitchG, kThreads>(G, raw, v, len, tid);
 }
 
 // Rows [0, len) of one head of a token-major [T, H, 128] bf16 tensor into a [64][kPitch] shared
