@@ -36,6 +36,18 @@ __device__ __forceinline__ void ldsm_a_trans(uint32_t (&a)[4], const __nv_bfloat
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_addr(tile + k * ld + m)));
 }
 
+// Four 8x8 matrices (ldmatrix .x4, .trans when kTrans) from this lane's row address p: for tiles whose layout
+// (a swizzle) ldsm_a's pitch arithmetic does not cover.
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&a)[4], const __nv_bfloat16* p) {
+  if (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_addr(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(smem_addr(p)));
+}
+
 // B fragments of two adjacent 16x8 tiles (n0..n0+7 and n0+8..n0+15) of a k x n tile stored
 // row-major as [k][n] at `tile` (k = 16 rows): b0 for n 0-7, b1 for n 8-15.
 __device__ __forceinline__ void ldsm_b_kn(uint32_t (&b0)[2], uint32_t (&b1)[2], const __nv_bfloat16* tile, int ld) {
