@@ -31,7 +31,9 @@ class Binding:
     template: str
     needs: tuple
     need_one: tuple = ()  # tensors of which a launch must be given at least one
-    gate: bool = False    # the program forms the gate from the raw gate (its launch takes gate_kind, lower_bound)
+    # the program reads q, k and g (kda_fwd_chunk, kda_bwd_gate): it forms the gate from the raw gate and
+    # normalises q and k (its launch takes gate_kind, lower_bound and qk_l2norm)
+    gate: bool = False
 
 
 _FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"

@@ -11,6 +11,8 @@ gradient). Shapes the fake implementations give:
     with HV a multiple of H (grouped value heads, served inside the kernels)
     saved context (backward="saved"): the chunk intermediates, chunk-indexed ones over
     max_chunks(T, N) rows (the exact chunk count depends on the values of cu_seqlens)
+    qk_rstd (last): with qk_l2norm (use_qk_l2norm_in_kernel, normalised inside the kernels) [2, 1, T, H] fp32,
+    the rstd of q's and k's rows, else [0]
 """
 import warnings
 from typing import Optional
@@ -21,7 +23,8 @@ from torch import Tensor
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
 from .gate import activate, kda_gate, kernel_gate
-from .norm import l2norm
+from .norm import L2NORM_EPS, l2norm
+from .. import options
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 from .._runtime.tensor import require_cuda
 
@@ -84,12 +87,16 @@ def _entering_decay(g: Tensor, tables, gate=None) -> Tensor:
 
 # ------------------------------------------------------------------------------------ forward
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate):
-    """o, final_state (or [0]) and, with save, the saved context (SAVED order, per-chunk tensors over
-    max_chunks rows)."""
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate, qk_l2norm=False):
+    """o, final_state (or [0]), with save the saved context (SAVED order, per-chunk tensors over
+    max_chunks rows), then qk_rstd (qk_l2norm: q, k raw, normalised in the kernels; else [0])."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
     T, H = v.shape[1], v.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
+    qk_rstd, qk_norm = _no_state(q), None
+    if qk_l2norm:
+        qk_rstd = torch.empty(2, *q.shape[:3], device=q.device, dtype=torch.float32)
+        qk_norm = kda.QkL2Norm(qk_rstd[0], qk_rstd[1], L2NORM_EPS, write=True)
     _state_rows(h0, tables.n_docs, H, "initial_state")
     out, full = {}, {}
     if save:
@@ -101,75 +108,81 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         for x in full.values():  # the rows past the pack's chunks hold zeros, not leftover memory
             x[C:].zero_()
     if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
-        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save)
+        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save)[:-1]
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
-        return (o, final, *(x.zero_() for x in context))
+        return (o, final, *(x.zero_() for x in context), qk_rstd)
     require_cuda(q, "q", "chunk_kda")
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
-                                        output_final_state=output_final_state, save_tape=save, out=out, gate=gate)
+                                        output_final_state=output_final_state, save_tape=save, out=out, gate=gate,
+                                        qk_norm=qk_norm)
     if final is not None:
         final = tables.document_rows(final, h0)
     final = _no_state(q) if final is None else final
     if not save:
-        return o, final
-    return (o, final, *(full.get(name, saved[name]) for name in SAVED))
+        return o, final, qk_rstd
+    return (o, final, *(full.get(name, saved[name]) for name in SAVED), qk_rstd)
 
 
-def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save):
-    """Shapes from v (H: the value heads)."""
+def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save, qk=None, qk_l2norm=False):
+    """Shapes from v (H: the value heads); qk_rstd's from qk (q)."""
     q = v
     T, H, N = q.shape[1], q.shape[2], cu_seqlens.shape[0] - 1
     o = q.new_empty(q.shape, dtype=torch.bfloat16)
     final = q.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(q)
+    qk_rstd = q.new_empty((2, *qk.shape[:3]), dtype=torch.float32) if qk_l2norm else _no_state(q)
     if not save:
-        return o, final
+        return o, final, qk_rstd
     rows = max_chunks(T, N)
     token = lambda width: q.new_empty((1, T, H, width), dtype=torch.bfloat16)  # noqa: E731
     shapes = {"gamma": q.new_empty((rows, H, HEAD_DIM), dtype=torch.float32),
               "tape": q.new_empty((rows, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32),
               "aqk": token(CHUNK), "akk_inv": token(CHUNK)}
-    return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED))
+    return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED), qk_rstd)
 
 
 # The ops' gate arguments (last, with defaults): A_log [H] and dt_bias [H, 128] fp32 (contiguous), gate_kind
 # (kda.GATE_RAW: g is the log decay; GATE_SOFTPLUS, GATE_SIGMOID: g is the raw gate, activated in the
 # kernels) and lower_bound (GATE_SIGMOID). The backward ops return dA_log and ddt_bias after the six
 # gradients ([0] without the activation).
+# qk_l2norm (the forward ops' last argument): use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate, q and
+# k raw; the forward ops return qk_rstd last, which the backward ops take as their last argument.
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, output_final_state: bool, A_log: Optional[Tensor] = None,
-                     dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0
-                     ) -> tuple[Tensor, Tensor]:
-    """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
+                     dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
+                     qk_l2norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final_state or [0], qk_rstd or [0]); the backward replays the forward kernels from the inputs."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, False,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound))
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm)
 
 
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0):
-    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, save=False)
+      gate_kind=0, lower_bound=0.0, qk_l2norm=False):
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, False, q, qk_l2norm)
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            output_final_state: bool, A_log: Optional[Tensor] = None,
-                           dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0
+                           dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
+                           qk_l2norm: bool = False
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                      Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, final_state or [0], *the saved context in SAVED order) for the saved-context backward."""
+                                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final_state or [0], *the saved context in SAVED order, qk_rstd or [0]) for the saved-context
+    backward."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, True,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound))
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm)
 
 
 @chunk_kda_fwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0):
-    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, save=True)
+      gate_kind=0, lower_bound=0.0, qk_l2norm=False):
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, True, q, qk_l2norm)
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -182,6 +195,14 @@ def _backward_result(q, beta, tables, grads, decay, dfinal_state):
         dh0 = tables.document_rows(dh0 * decay, dfinal_state)
     da_log, ddt_bias = kda_backward.gate_parameter_grads(*gate_grads) if gate_grads else (_no_state(q), _no_state(q))
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, da_log, ddt_bias
+
+
+def _qk_norm_of(qk_rstd: Optional[Tensor]):
+    """The forward's kda.QkL2Norm from its qk_rstd output (None, or [0]: q, k were not normalised in the kernels)."""
+    if qk_rstd is None or qk_rstd.numel() == 0 and qk_rstd.dim() == 1:
+        return None
+    qk_rstd = qk_rstd.contiguous()
+    return kda.QkL2Norm(qk_rstd[0], qk_rstd[1], L2NORM_EPS)
 
 
 def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state, gate):
@@ -208,17 +229,19 @@ def _zero_gate_grads(q, gate):
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor],
                      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                     lower_bound: float = 0.0
+                     lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
-    d_initial_state or [0], dA_log or [0], ddt_bias or [0])."""
+    d_initial_state or [0], dA_log or [0], ddt_bias or [0]). qk_rstd: the forward's (q, k normalised in the
+    kernels; dq, dk then raw q's and k's)."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
     gate = _gate_of(A_log, dt_bias, gate_kind, lower_bound)
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
     if tables.n_segments == 0:
         return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
     h0, decay = _entering(h0, g, tables, gate)
-    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate)
+    grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate,
+                                         _qk_norm_of(qk_rstd))
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
@@ -236,7 +259,7 @@ def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
 
 @chunk_kda_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0):
+      gate_kind=0, lower_bound=0.0, qk_rstd=None):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
@@ -246,7 +269,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,
                            akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor],
                            A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                           lower_bound: float = 0.0
+                           lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Saved-context backward over chunk_kda_fwd_saved's context: bitwise the replay's gradients."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
@@ -258,7 +281,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     context = dict(zip(SAVED, (w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew)))
     saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
-                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate)
+                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate, qk_norm=_qk_norm_of(qk_rstd))
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
     decay = None if h0 is None else _entering_decay(g, tables, gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
@@ -266,38 +289,40 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 @chunk_kda_bwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew, do,
-      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0):
+      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0, qk_rstd=None):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
 # ----------------------------------------------------------------------------------- autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound = inputs[:13]
     ctx.scale, ctx.gate_kind, ctx.lower_bound = scale, gate_kind, lower_bound
     ctx.has_initial_state = initial_state is not None
-    ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
+    ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context, qk_rstd) get no zero gradient
+    # raw q, k and qk_rstd (the last output) with qk_l2norm: the backward normalises in the kernels again
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *output[2:])
-    if len(output) > 2:
-        ctx.mark_non_differentiable(*output[2:])
+    ctx.mark_non_differentiable(*output[2:])
 
 
 def _backward(ctx, do, dfinal_state, *_):
-    q, k, v, g, beta, h0, cu_seqlens, A_log, dt_bias, *context = ctx.saved_tensors
+    q, k, v, g, beta, h0, cu_seqlens, A_log, dt_bias, *context, qk_rstd = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
     gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
+    norm = (qk_rstd,) if qk_rstd.dim() > 1 else ()  # qk_l2norm's: the forward's rstd
     if context:
-        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate)
+        grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate,
+                                       *norm)
     else:
-        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate)
+        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate, *norm)
     dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = grads
     gated = ctx.gate_kind != kda.GATE_RAW
     return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
             da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
-            None, None)
+            None, None, None)
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -415,11 +440,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
+    fused_norm = False
     if use_qk_l2norm_in_kernel:
         _check_head_dim(q, "q")
-        q, k = _qk_l2norm(q, k)
+        fused_norm = _qk_l2norm_in_kernels(q)
+        if not fused_norm:
+            q, k = _qk_l2norm(q, k)
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, mode, gate_args)
+                                 cu_seqlens_cpu, mode, gate_args, fused_norm)
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
@@ -449,6 +477,12 @@ def _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_
         raise NotImplementedError(f"chunk_size: kda_aot's kernels run chunks of {CHUNK} tokens, got {chunk_size}")
 
 
+def _qk_l2norm_in_kernels(q) -> bool:
+    """use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate (q, k read raw, their normalised copies
+    never written): on the GPU unless Options.qk_l2norm_fused is off (the l2norm op first, bitwise the same)."""
+    return isinstance(q, torch.Tensor) and q.is_cuda and options.current().qk_l2norm_fused
+
+
 def _qk_l2norm(q, k):
     """use_qk_l2norm_in_kernel: q and k normalised per head (the norm's kernel is the op's first: the refusal of
     CPU tensors comes here, naming q)."""
@@ -472,9 +506,10 @@ def _check_head_dim(x, name):
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      backward, gate_args=()):
-    """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked); gate_args:
-    the kernels' gate activation (kernel_gate), g then the raw gate."""
+                      backward, gate_args=(), qk_l2norm=False):
+    """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked, or
+    with qk_l2norm normalised in the kernels); gate_args: the kernels' gate activation (kernel_gate), g then the
+    raw gate."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args))
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
@@ -488,5 +523,6 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
-    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args)[:2]
+    norm = {"qk_l2norm": True} if qk_l2norm else {}
+    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **norm)[:2]
     return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

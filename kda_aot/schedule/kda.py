@@ -62,6 +62,44 @@ class GateActivation:
                 if x is not None}
 
 
+@dataclass(frozen=True)
+class QkL2Norm:
+    """chunk_kda's use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate (templates/common/kda.h
+    qk_l2norm): q and k stay raw in memory, each row normalised in shared memory (bitwise l2norm_fwd's q_n, k_n),
+    and the forward's rstd [1, T, Hqk] fp32 of each is kept for kda_bwd_gate and the chain rule (l2norm_bwd).
+    write: kda_fwd_chunk writes q_rstd, k_rstd (the forward); the replay's recompute reads them in the gate only."""
+    q_rstd: torch.Tensor
+    k_rstd: torch.Tensor
+    eps: float
+    write: bool = False
+
+    def heads(self, a: int, b: int) -> "QkL2Norm":
+        """The norm of q, k heads [a, b) (the replay's head groups), read only."""
+        return QkL2Norm(self.q_rstd[:, :, a:b].contiguous(), self.k_rstd[:, :, a:b].contiguous(), self.eps)
+
+    def read_only(self) -> "QkL2Norm":
+        return QkL2Norm(self.q_rstd, self.k_rstd, self.eps)
+
+    def descriptors(self) -> dict:
+        return {"q_rstd": describe(self.q_rstd, "q_rstd"), "k_rstd": describe(self.k_rstd, "k_rstd")}
+
+
+def _launch_qk(library, desc: dict, scale: float, stream, gate: Optional[GateActivation],
+               qk_norm: Optional[QkL2Norm], rstd: bool, *norm_args):
+    """A launch of kda_fwd_chunk or kda_bwd_gate (the programs that read q, k, g) with the gate's activation
+    and the q, k norm where given (positional: gate_kind, lower_bound, qk_l2norm, then norm_args); rstd: the
+    norm's rstd tensors go with it."""
+    args = ()
+    if gate is not None:
+        desc = {**desc, **gate.descriptors()}
+        args = (gate.kind, gate.lower_bound)
+    if qk_norm is not None:
+        if rstd:
+            desc = {**desc, **qk_norm.descriptors()}
+        args = (args or (GATE_RAW, 0.0)) + (True, *norm_args)
+    library.launch(desc, scale, stream, *args)
+
+
 def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
     """g [1, T, H, K] at each segment's first token: [n_segments, H, K]."""
     return g[0].index_select(0, tables.cu[:-1])
@@ -192,19 +230,23 @@ def _pick_form(what: str, form, forms: tuple) -> str:
     return form
 
 
-def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None):
+def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
+                      qk_norm=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
-    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange."""
-    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate)
+    chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
+    qk_norm: a QkL2Norm (q, k raw, normalised in the programs)."""
+    t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
+                             qk_norm=qk_norm)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
-                         gate: Optional[GateActivation] = None) -> dict:
+                         gate: Optional[GateActivation] = None, qk_norm: Optional[QkL2Norm] = None) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
-    preallocated gamma; gate: the gate's activation (g the raw gate), kept for the backward."""
+    preallocated gamma; gate: the gate's activation (g the raw gate), kept for the backward; qk_norm: the
+    q, k norm in the programs (QkL2Norm), kept for the backward."""
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = v.shape[1], v.shape[2]
     C = tables.chunks.shape[0]
@@ -221,6 +263,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
+        "qk_norm": qk_norm,
     }
 
 
@@ -231,12 +274,9 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    gate = t.get("gate")
-    library = registry.library("kda_fwd_chunk", form)
-    if gate is None:
-        library.launch(desc, t["scale"], stream_of(t["q"]))
-    else:
-        library.launch({**desc, **gate.descriptors()}, t["scale"], stream_of(t["q"]), gate.kind, gate.lower_bound)
+    qk_norm = t.get("qk_norm")
+    _launch_qk(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t.get("gate"), qk_norm,
+               qk_norm is not None and qk_norm.write, qk_norm.eps if qk_norm is not None else 0.0)
 
 
 def _walk_outputs(v, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
@@ -277,7 +317,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None):
+                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None, qk_norm=None):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
@@ -286,8 +326,10 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
-    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay)."""
-    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate)
+    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay). qk_norm: a QkL2Norm (q, k
+    raw; the chunk stage normalises them and, with write, keeps their rstd)."""
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate,
+                                    qk_norm)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
