@@ -79,7 +79,8 @@ KNOB_DOC = {
 # anchored pieces, Aqk's diagonal exact and its bf16 rounding error added back after the walk's product, W's
 # diagonal term in fp32, dAqk's diagonal terms exact and out of dGamma, dKg in fp32 with dS as hi + lo, dg's Kg
 # terms as a prefix sum, dV' as bf16 hi + lo in kda_bwd_chunk; the Akk/Aqk column operand as the fp32 product
-# rounded once and Aqk's row operand as that product in bf16 hi + lo (kda_fwd_chunk).
+# rounded once and Aqk's row operand as that product in bf16 hi + lo (kda_fwd_chunk); dS as hi + lo in
+# dV' = .. + Kg dS (kda_bwd_chunk).
 FIXED = dict(SHIPPED, gate_clamp=20.0, anchor="mid8", aqk_ii="exact", o_diag="residual", w_beta="t_diag",
              gate_diag="exact", daqk_ii="fp32", dkg="fp32", tape_dkg="hilo", dg_kg="prefix", dvp="hilo",
-             gram_q="hilo", gram_b="bf16", daqk="hilo")
+             gram_q="hilo", gram_b="bf16", daqk="hilo", tape_dvp="hilo")
