@@ -45,6 +45,15 @@ for gate in (GateActivation(GATE_SOFTPLUS, torch.randn(H, device="cuda") + 1, to
             _, _, gated = chunk_kda_fwd(q, k, v, raw_g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                                         save_tape=True, walk_form=form, gate=gate)
             chunk_kda_bwd(gated, do, dht, gate_form="full" if form == "full" else None)
+# beta's activation in the kernels: the logits in bf16 (sigmoid) and fp32 (2 sigmoid), read by kda_fwd_chunk,
+# kda_bwd_chunk and kda_bwd_gate
+from kda_aot.schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2  # noqa: E402
+logits = torch.randn(1, T, H, device="cuda") * 3
+for beta_kind, b in ((BETA_SIGMOID, logits.to(torch.bfloat16)), (BETA_SIGMOID_2, logits)):
+    for form in ("full", "split"):
+        _, _, activated = chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                        save_tape=True, walk_form=form, beta_kind=beta_kind)
+        chunk_kda_bwd(activated, do, dht, gate_form="full" if form == "full" else None)
 from kda_aot.ops.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)

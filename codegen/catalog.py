@@ -34,6 +34,7 @@ class Binding:
     # the program reads q, k and g (kda_fwd_chunk, kda_bwd_gate): it forms the gate from the raw gate and
     # normalises q and k (its launch takes gate_kind, lower_bound and qk_l2norm)
     gate: bool = False
+    beta: bool = False    # the program reads beta, formed from the logits on load (its launch takes beta_kind)
 
 
 _FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"
@@ -43,7 +44,7 @@ _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo",
 # binding.cpp.j2.
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
-                                         "aqk", "aqk_diag_lo", "gamma"), gate=True),
+                                         "aqk", "aqk_diag_lo", "gamma"), gate=True, beta=True),
     # kda_fwd_walk also needs aqk_diag_lo when it writes o (the binding checks: the replay's walk writes none)
     "kda_fwd_walk": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
     "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
@@ -52,10 +53,10 @@ BINDINGS = {
                             need_one=("dtape", "dinitial_state")),
     "kda_bwd_chunk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "dtape", "v", "u",
                                          "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "daqk_lo",
-                                         "dakk", "daqk_diag", "dbeta_v", "dgam_s")),
+                                         "dakk", "daqk_diag", "dbeta_v", "dgam_s"), beta=True),
     # two CTAs over 64 channels each write dbeta's halves (the caller adds them)
-    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True),
-    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True),
+    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True, beta=True),
+    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True, beta=True),
 }
 
 

@@ -41,7 +41,8 @@ def render_record(record: Record, env: jinja2.Environment | None = None) -> Rend
     name = h[:NAME_LEN]
     context = dict(record.params)
     if record.binding:
-        context.update(needs=record.binding.needs, need_one=record.binding.need_one, gate=record.binding.gate)
+        context.update(needs=record.binding.needs, need_one=record.binding.need_one, gate=record.binding.gate,
+                       beta=record.binding.beta)
     context.update(
         record=name,
         program=record.program,

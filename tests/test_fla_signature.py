@@ -12,7 +12,9 @@ import torch
 import kda_aot
 from kda_aot import reference
 from kda_aot.ops import chunk_kda as op
+from kda_aot.ops.gate import beta_sigmoid
 from kda_aot.ops.norm import L2NORM_EPS, l2norm_torch
+from kda_aot.schedule import kda
 
 from conftest import SEED
 from reftools import fla_beta, fla_gate, fla_heads
@@ -30,8 +32,10 @@ def reference_op(monkeypatch):
     calls = []
 
     def fake(saved):
-        def run(q, k, v, g, beta, h0, cu, scale, output_final_state):
+        def run(q, k, v, g, beta, h0, cu, scale, output_final_state, beta_kind=kda.BETA_PLAIN):
             calls.append("saved" if saved else "replay")
+            if beta_kind != kda.BETA_PLAIN:  # the kernels' activation of the logits, as FLA's: fp32 sigmoid, unrounded
+                beta = beta_sigmoid(beta, beta_kind == kda.BETA_SIGMOID_2, torch.float32)
             o, s = reference.kda_chunked(*(x.double() for x in (q, k, v, g, beta)), cu_seqlens=cu.tolist(),
                                          scale=scale, initial_state=None if h0 is None else h0.double(),
                                          output_final_state=True, dtype=torch.float64)
@@ -82,10 +86,9 @@ def expected(x, *, lower_bound=None, neg=False, v_first=False, l2=True, activate
     if activated:
         g.retain_grad()
     beta = fla_beta(leaves["b"], neg)
-    # the kernels' bf16 beta, rounded from its fp32 sigmoid as ours is (an fp64 sigmoid can round to the
-    # neighbouring bf16 value), with the fp64 gradient
-    rounded = fla_beta(x["b"].float(), neg).to(torch.bfloat16).double()
-    beta = beta + (rounded - beta).detach()
+    # the kernels' beta: FLA's fp32 sigmoid of the logits, never rounded to bf16, with the fp64 gradient
+    in_fp32 = fla_beta(x["b"].float(), neg).double()
+    beta = beta + (in_fp32 - beta).detach()
     h0 = leaves["h0"].transpose(-1, -2) if v_first else leaves["h0"]
     o, s = reference.kda_chunked(q, k, leaves["v"], g, beta, cu_seqlens=x["cu"].tolist(), initial_state=h0,
                                  output_final_state=True, dtype=torch.float64)
@@ -126,9 +129,9 @@ def test_fla_layer_call_matches_flas_formulas(reference_op, HV, lower_bound, neg
     """FLA's layer call (l2norm, gate and beta sigmoid in kernel, positional order), with GVA at HV / H = 1,
     2, 4: the output, the final state and every gradient (raw g, A_log, dt_bias, beta logits, q, k summed
     over their value heads, the V-first initial state) as FLA's formulas give them. Values to fp32
-    rounding (the gate is activated in fp32, the kernels' g); gradients of the fp32 tensors (g, A_log, dt_bias, the states) to fp32 rounding, of the bf16
-    ones (q, k, v, beta's logits through bf16 beta) to bf16 rounding (autograd rounds a bf16 leaf's
-    gradient to bf16); a wrong head map, gate or transpose is off by O(1)."""
+    rounding (the gate and beta are activated in fp32, as the kernels do); gradients of the fp32 tensors (g, A_log,
+    dt_bias, beta's logits, the states) to fp32 rounding, of the bf16 ones (q, k, v) to bf16 rounding (autograd
+    rounds a bf16 leaf's gradient to bf16); a wrong head map, gate or transpose is off by O(1)."""
     x = inputs([70, 1, 130], 4, HV, (HV, lower_bound, neg))
     o, s, grads = run_ours(x, lower_bound=lower_bound, safe_gate=lower_bound is not None, allow_neg_eigval=neg,
                            state_v_first=v_first)
@@ -136,7 +139,7 @@ def test_fla_layer_call_matches_flas_formulas(reference_op, HV, lower_bound, neg
     assert reference_op == ["replay"]
     assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
     for n, want in egrads.items():
-        bound = 1e-2 if n in ("q", "k", "v", "b") else 1e-5
+        bound = 1e-2 if n in ("q", "k", "v") else 1e-5
         assert rel(grads[n], want) < bound, f"d{n}: {rel(grads[n], want):.2e}"
 
 
@@ -223,3 +226,42 @@ def test_scale_and_initial_state_positionally(reference_op):
                                   cu_seqlens=x["cu"], transpose_state_layout=True)
     assert rel(sv.transpose(-1, -2), ws) < 1e-12
     assert not math.isnan(o.double().sum().item())
+
+
+def test_beta_logits_go_to_the_op(monkeypatch):
+    """use_beta_sigmoid_in_kernel: the op gets the logits as the kernels read them (bf16 as they are, other
+    floats as fp32) and beta_kind; the precomputed call passes no beta_kind; bad logits raise before the op."""
+    got = []
+
+    def fake(q, k, v, g, beta, h0, cu, scale, output_final_state, **kw):
+        got.append((beta.dtype, kw.get("beta_kind")))
+        return torch.zeros(q.shape, dtype=torch.bfloat16), torch.zeros(0)
+    monkeypatch.setattr(op, "chunk_kda_fwd_op", fake)
+    x = inputs([64], 2, 2, "beta-logits")
+    q, k, v, g = x["q"], x["k"], x["v"], -torch.rand(1, 64, 2, D)
+    for b, kw, want in ((x["b"], dict(use_beta_sigmoid_in_kernel=True), (torch.float32, kda.BETA_SIGMOID)),
+                        (x["b"].bfloat16(), dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),
+                         (torch.bfloat16, kda.BETA_SIGMOID_2)),
+                        (x["b"].half(), dict(use_beta_sigmoid_in_kernel=True), (torch.float32, kda.BETA_SIGMOID)),
+                        (torch.rand(1, 64, 2).bfloat16(), {}, (torch.bfloat16, None))):
+        kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **kw)
+        assert got.pop() == want
+    with pytest.raises(TypeError, match="beta: the raw beta must be floating point"):
+        kda_aot.chunk_kda(q, k, v, g, torch.ones(1, 64, 2, dtype=torch.int32), cu_seqlens=x["cu"],
+                          use_beta_sigmoid_in_kernel=True)
+    with pytest.raises(ValueError, match=r"beta: expected shape \[1, 64, 2\]"):
+        kda_aot.chunk_kda(q, k, v, g, x["b"][:, :, :1], cu_seqlens=x["cu"], use_beta_sigmoid_in_kernel=True)
+    with pytest.raises(TypeError, match="beta: expected dtype bfloat16"):  # fp32 beta is the logits' only
+        kda_aot.chunk_kda(q, k, v, g, x["b"], cu_seqlens=x["cu"])
+    assert not got
+
+
+def test_beta_logits_grad_is_flas():
+    """d(logits) from dbeta: FLA's fused_beta_sigmoid_bwd (dbeta scale s (1 - s), s the fp32 sigmoid), against
+    autograd through the fp64 formula."""
+    b = torch.randn(1000, dtype=torch.float64) * 4
+    dbeta = torch.randn(1000)
+    for kind, scale in ((kda.BETA_SIGMOID, 1.0), (kda.BETA_SIGMOID_2, 2.0)):
+        x = b.clone().requires_grad_()
+        (scale * torch.sigmoid(x) * dbeta.double()).sum().backward()
+        assert rel(kda.beta_logits_grad(dbeta, b.float(), kind), x.grad) < 1e-6

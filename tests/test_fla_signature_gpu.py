@@ -1,5 +1,5 @@
 """FLA 0.6.0's chunk_kda call on the kernels: the gate in kernel (with and without safe_gate / lower_bound),
-beta sigmoid, allow_neg_eigval, state_v_first, GVA at HV / H = 2 and 4, the positional call; each against
+beta sigmoid in kernel (fp32 and bf16 logits; bitwise the precomputed call where the sigmoid is exact), allow_neg_eigval, state_v_first, GVA at HV / H = 2 and 4, the positional call; each against
 the fp64 reference of FLA's formulas (tests/test_fla_signature.py writes them out), saved == replay
 bitwise. With fla-core installed, `import kda_aot.fla` makes fla.ops.kda.chunk_kda run on kda_aot
 (bitwise the direct call) and FLA_KDA_AOT=0 switches the backend off.
@@ -215,10 +215,10 @@ def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_
         def __init__(self, program, form):
             self.program, self.lib = program, library(program, form)
 
-        def launch(self, desc, *args):
+        def launch(self, desc, *args, **kw):
             if "g" in desc:
                 seen.append((self.program, desc["g"][1]))  # (ptr, dtype code, ...)
-            return self.lib.launch(desc, *args)
+            return self.lib.launch(desc, *args, **kw)
     monkeypatch.setattr(registry, "library", lambda program, form="default": Watched(program, form))
     o16, s16, d16 = call(raw, mode)
     monkeypatch.setattr(registry, "library", library)
@@ -234,3 +234,89 @@ def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_
         _, _, saved = call(raw, "saved")
         for n in names:
             assert torch.equal(saved[n], d16[n]), f"d{n}: the replay in head groups differs from the saved mode"
+
+
+@pytest.mark.parametrize("neg", [False, True], ids=["sigmoid", "2sigmoid"])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode,max_heads", [("replay", 0), ("replay", 1), ("saved", 0)],
+                         ids=["replay", "replay-head-groups", "saved"])
+def test_beta_sigmoid_in_the_kernels(kda_options, monkeypatch, neg, logits_dtype, mode, max_heads):
+    """use_beta_sigmoid_in_kernel: the logits go into the kernels as they are (no activated beta in memory; every
+    program that reads beta gets beta_kind), and
+    - at logits whose sigmoid is exact (0, +-inf: beta 1/2, 1, 0; 2 sigmoid 1, 2, 0) o, the final state and every
+      gradient but beta's are bitwise the precomputed call's on that beta in bf16, the precomputed call's
+      launches take no beta_kind (its path is the one it was), and d(logits) = dbeta scale s (1 - s);
+    - at random logits, against torch's libm fp32 sigmoid through the fp64 reference (FLA's formulas), REL;
+    - saved == replay (and the replay a head at a time) bitwise."""
+    from kda_aot._runtime import registry
+    if max_heads:
+        kda_options(max_heads=max_heads)
+    x = cuda_inputs(4, 4, ("beta-in-kernel", neg))
+    scale_b = 2.0 if neg else 1.0
+    names = ("q", "k", "v", "g", "b", "h0")
+    seen, library = [], registry.library
+
+    class Watched:
+        def __init__(self, program, form):
+            self.program, self.lib = program, library(program, form)
+
+        def launch(self, desc, *args, **kw):
+            seen.append((self.program, kw.get("beta_kind")))
+            return self.lib.launch(desc, *args, **kw)
+    monkeypatch.setattr(registry, "library", lambda program, form="default": Watched(program, form))
+
+    def call(b, mode, sigmoid):
+        leaves = {n: (b if n == "b" else x[n]).clone().requires_grad_() for n in names}
+        g = -torch.nn.functional.softplus(leaves["g"])  # a log decay, activated outside the op
+        o, s = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], g, leaves["b"], None, leaves["h0"], True,
+                                 True, False, sigmoid, neg and sigmoid, cu_seqlens=x["cu"], backward=mode)
+        torch.autograd.backward((o, s), (x["do"].to(torch.bfloat16), x["dht"]))
+        return o, s, {n: leaves[n].grad.clone() for n in names}
+
+    exact = torch.tensor([0.0, float("inf"), float("-inf")], device="cuda")
+    logits = exact[torch.randint(0, 3, x["b"].shape, device="cuda")].to(logits_dtype)
+    o, s, grads = call(logits, mode, True)
+    reads_beta = ("kda_fwd_chunk", "kda_bwd_chunk", "kda_bwd_gate")
+    assert {p for p, _ in seen} >= set(reads_beta), seen
+    assert all(k == ((2 if neg else 1) if p in reads_beta else None) for p, k in seen), seen
+    seen.clear()
+    beta = (scale_b * torch.sigmoid(logits.float())).to(torch.bfloat16)  # exact in bf16 at these logits
+    po, ps, pgrads = call(beta, mode, False)
+    assert all(k is None for _, k in seen), seen
+    assert torch.equal(o, po) and torch.equal(s, ps)
+    for n in ("q", "k", "v", "g", "h0"):
+        assert torch.equal(grads[n], pgrads[n]), f"d{n} differs from the precomputed call's"
+    sig = torch.sigmoid(logits.float())
+    want = (pgrads["b"].float() * scale_b * sig * (1.0 - sig)).to(logits_dtype)
+    assert rel_rms(grads["b"], want) < REL and grads["b"].dtype == logits_dtype
+
+    b = x["b"].to(logits_dtype)
+    o, s, grads = call(b, mode, True)
+    cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
+    cpu["b"] = b.float().cpu()
+    eo, es, egrads = expected_precomputed_gate(cpu, neg)
+    assert rel_rms(o.cpu(), eo) < REL and rel_rms(s.cpu(), es) < REL
+    for n, want in egrads.items():
+        assert rel_rms(grads[n].cpu(), want) < BOUND.get(n, REL), f"d{n}: {rel_rms(grads[n].cpu(), want):.2e}"
+    other = call(b, "saved" if mode == "replay" else "replay", True)
+    assert torch.equal(other[0], o) and torch.equal(other[1], s)
+    for n in names:
+        assert torch.equal(other[2][n], grads[n]), f"saved and replay differ in d{n}"
+
+
+def expected_precomputed_gate(cpu, neg):
+    """FLA's formulas in fp64 for the call above (l2norm, log decay -softplus(g), beta FLA's fp32 sigmoid of the
+    logits): o, the final state and the gradients of q, k, v, g, the logits, h0."""
+    from kda_aot import reference
+    from test_fla_signature import l2norm_as_the_kernel
+    leaves = {n: cpu[n].double().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0")}
+    q, k = l2norm_as_the_kernel(leaves["q"]), l2norm_as_the_kernel(leaves["k"])
+    beta = (2.0 if neg else 1.0) * torch.sigmoid(leaves["b"])
+    in_fp32 = ((2.0 if neg else 1.0) * torch.sigmoid(cpu["b"].float())).double()  # FLA's fp32 beta, unrounded
+    beta = beta + (in_fp32 - beta).detach()
+    o, s = reference.kda_chunked(q, k, leaves["v"], -torch.nn.functional.softplus(leaves["g"]),
+                                 beta, cu_seqlens=cpu["cu"].tolist(), initial_state=leaves["h0"],
+                                 output_final_state=True, dtype=torch.float64)
+    ((o * cpu["do"]).sum() + (s * cpu["dht"]).sum()).backward()
+    return o.detach(), s.detach(), {n: t.grad for n, t in leaves.items()}

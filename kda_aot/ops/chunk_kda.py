@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
-from .gate import activate, kda_gate, kernel_gate
+from .gate import activate, kda_gate, kernel_beta, kernel_gate
 from .norm import L2NORM_EPS, l2norm
 from .. import options
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
@@ -87,7 +87,8 @@ def _entering_decay(g: Tensor, tables, gate=None) -> Tensor:
 
 # ------------------------------------------------------------------------------------ forward
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate, qk_l2norm=False):
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate, qk_l2norm=False,
+             beta_kind=kda.BETA_PLAIN):
     """o, final_state (or [0]), with save the saved context (SAVED order, per-chunk tensors over
     max_chunks rows), then qk_rstd (qk_l2norm: q, k raw, normalised in the kernels; else [0])."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
@@ -116,7 +117,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
                                         output_final_state=output_final_state, save_tape=save, out=out, gate=gate,
-                                        qk_norm=qk_norm)
+                                        qk_norm=qk_norm, beta_kind=beta_kind)
     if final is not None:
         final = tables.document_rows(final, h0)
     final = _no_state(q) if final is None else final
@@ -146,22 +147,24 @@ def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save, qk=Non
 # (kda.GATE_RAW: g is the log decay; GATE_SOFTPLUS, GATE_SIGMOID: g is the raw gate, activated in the
 # kernels) and lower_bound (GATE_SIGMOID). The backward ops return dA_log and ddt_bias after the six
 # gradients ([0] without the activation).
-# qk_l2norm (the forward ops' last argument): use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate, q and
-# k raw; the forward ops return qk_rstd last, which the backward ops take as their last argument.
+# qk_l2norm (the forward ops' argument after the gate's): use_qk_l2norm_in_kernel inside kda_fwd_chunk and
+# kda_bwd_gate, q and k raw; the forward ops return qk_rstd last, which the backward ops take after the gate's.
+# beta_kind (last; kda.BETA_KINDS): BETA_PLAIN: beta is beta (bf16); BETA_SIGMOID, BETA_SIGMOID_2: beta is the
+# logits (bf16 or fp32), activated in the kernels, and dbeta their gradient in their dtype.
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd", mutates_args=(), tags=PLANNED_FROM_HOST)
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, output_final_state: bool, A_log: Optional[Tensor] = None,
                      dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                     qk_l2norm: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     qk_l2norm: bool = False, beta_kind: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """(o, final_state or [0], qk_rstd or [0]); the backward replays the forward kernels from the inputs."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, False,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm, beta_kind)
 
 
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, qk_l2norm=False):
+      gate_kind=0, lower_bound=0.0, qk_l2norm=False, beta_kind=0):
     return _fake_forward(v, initial_state, cu_seqlens, output_final_state, False, q, qk_l2norm)
 
 
@@ -170,18 +173,18 @@ def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            output_final_state: bool, A_log: Optional[Tensor] = None,
                            dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                           qk_l2norm: bool = False
+                           qk_l2norm: bool = False, beta_kind: int = 0
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                       Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, final_state or [0], *the saved context in SAVED order, qk_rstd or [0]) for the saved-context
     backward."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, True,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm, beta_kind)
 
 
 @chunk_kda_fwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, qk_l2norm=False):
+      gate_kind=0, lower_bound=0.0, qk_l2norm=False, beta_kind=0):
     return _fake_forward(v, initial_state, cu_seqlens, output_final_state, True, q, qk_l2norm)
 
 
@@ -229,7 +232,7 @@ def _zero_gate_grads(q, gate):
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor],
                      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                     lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None
+                     lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None, beta_kind: int = 0
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
     d_initial_state or [0], dA_log or [0], ddt_bias or [0]). qk_rstd: the forward's (q, k normalised in the
@@ -241,7 +244,7 @@ def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
         return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
     h0, decay = _entering(h0, g, tables, gate)
     grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate,
-                                         _qk_norm_of(qk_rstd))
+                                         _qk_norm_of(qk_rstd), beta_kind)
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
@@ -259,7 +262,7 @@ def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
 
 @chunk_kda_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, qk_rstd=None):
+      gate_kind=0, lower_bound=0.0, qk_rstd=None, beta_kind=0):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
@@ -269,7 +272,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,
                            akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor],
                            A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                           lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None
+                           lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None, beta_kind: int = 0
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Saved-context backward over chunk_kda_fwd_saved's context: bitwise the replay's gradients."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
@@ -281,7 +284,8 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     context = dict(zip(SAVED, (w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew)))
     saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
-                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate, qk_norm=_qk_norm_of(qk_rstd))
+                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate, qk_norm=_qk_norm_of(qk_rstd),
+                 beta_kind=beta_kind)
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
     decay = None if h0 is None else _entering_decay(g, tables, gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
@@ -289,7 +293,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 @chunk_kda_bwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew, do,
-      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0, qk_rstd=None):
+      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0, qk_rstd=None, beta_kind=0):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
@@ -297,7 +301,8 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gam
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound = inputs[:13]
-    ctx.scale, ctx.gate_kind, ctx.lower_bound = scale, gate_kind, lower_bound
+    beta_kind = inputs[14]  # after qk_l2norm (inputs[13]), which the backward reads off qk_rstd
+    ctx.scale, ctx.gate_kind, ctx.lower_bound, ctx.beta_kind = scale, gate_kind, lower_bound, beta_kind
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context, qk_rstd) get no zero gradient
     # raw q, k and qk_rstd (the last output) with qk_l2norm: the backward normalises in the kernels again
@@ -312,17 +317,20 @@ def _backward(ctx, do, dfinal_state, *_):
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
     gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
-    norm = (qk_rstd,) if qk_rstd.dim() > 1 else ()  # qk_l2norm's: the forward's rstd
+    # keywords only where the call needs them: the forward's rstd (qk_l2norm), beta's activation
+    kwargs = {"qk_rstd": qk_rstd} if qk_rstd.dim() > 1 else {}
+    if ctx.beta_kind != kda.BETA_PLAIN:
+        kwargs["beta_kind"] = ctx.beta_kind
     if context:
         grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate,
-                                       *norm)
+                                       **kwargs)
     else:
-        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate, *norm)
+        grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate, **kwargs)
     dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = grads
     gated = ctx.gate_kind != kda.GATE_RAW
     return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
             da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
-            None, None, None)
+            None, None, None, None)  # gate_kind, lower_bound, qk_l2norm, beta_kind
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -331,9 +339,10 @@ chunk_kda_fwd_saved_op.register_autograd(_backward, setup_context=_setup_context
 
 # ---------------------------------------------------------------------------------- public op
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=False):
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=False, beta_logits=False):
     """Checks that need only shapes, dtypes and devices (the values of cu_seqlens are checked by the op,
-    before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16."""
+    before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16; beta_logits:
+    beta is the logits the kernels activate, bf16 or fp32."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -368,6 +377,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
                            ("g", g, torch.float32), ("beta", beta, torch.bfloat16),
                            ("initial_state", initial_state, torch.float32)):
         if name == "g" and raw_gate and t.dtype == torch.bfloat16:
+            continue
+        if name == "beta" and beta_logits and t.dtype == torch.float32:
             continue
         if t is not None and t.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}")
@@ -434,9 +445,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:
         g, gate_args = kernel_gate(g, A_log, dt_bias, lower_bound, safe_gate)
         use_gate_in_kernel, A_log, dt_bias = False, None, None
+    # beta's activation always runs in the kernels: the op takes the logits and beta_kind
+    beta_kind = kda.BETA_PLAIN
+    if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
+        beta, beta_kind = kernel_beta(beta, allow_neg_eigval)
     g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=bool(gate_args))
+                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=bool(gate_args),
+                       beta_logits_in_kernels=beta_kind != kda.BETA_PLAIN)
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
@@ -447,7 +463,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         if not fused_norm:
             q, k = _qk_l2norm(q, k)
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, mode, gate_args, fused_norm)
+                                 cu_seqlens_cpu, mode, gate_args, fused_norm, beta_kind)
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
@@ -506,11 +522,12 @@ def _check_head_dim(x, name):
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      backward, gate_args=(), qk_l2norm=False):
+                      backward, gate_args=(), qk_l2norm=False, beta_kind=kda.BETA_PLAIN):
     """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked, or
     with qk_l2norm normalised in the kernels); gate_args: the kernels' gate activation (kernel_gate), g then the
-    raw gate."""
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args))
+    raw gate; beta_kind: beta's (kernel_beta), beta then the logits."""
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args),
+                  beta_logits=beta_kind != kda.BETA_PLAIN)
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
         cu = torch.arange(B + 1, dtype=torch.int32, device="cpu") * T
@@ -523,6 +540,9 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
-    norm = {"qk_l2norm": True} if qk_l2norm else {}
-    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **norm)[:2]
+    # keywords only where the call needs them: the plain call's op call as it was
+    kwargs = {"qk_l2norm": True} if qk_l2norm else {}
+    if beta_kind != kda.BETA_PLAIN:
+        kwargs["beta_kind"] = beta_kind
+    o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **kwargs)[:2]
     return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

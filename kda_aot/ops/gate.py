@@ -7,14 +7,18 @@ use_beta_sigmoid_in_kernel), in fp32, differentiable.
     beta:      beta = scale * sigmoid(b)   (scale 2 with allow_neg_eigval: beta in [0, 2))
 
 On the GPU the gate's activation runs inside the kernels (kernel_gate: kda_fwd_chunk forms it before its
-cumulative sum, kda_bwd_gate again for dg, dA_log and dt_bias); elsewhere, and under context parallelism,
-both run as the torch operations here, before the KDA op.
+cumulative sum, kda_bwd_gate again for dg, dA_log and dt_bias); elsewhere, and under context parallelism, it
+runs as the torch operations here, before the KDA op. beta's activation runs inside the kernels for
+kda_aot.chunk_kda (kernel_beta: every program that reads beta forms it from the logits); under context
+parallelism as the torch operation here (beta_sigmoid).
 """
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,6 +87,15 @@ def kernel_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], l
     return raw, (a, dt, kind, 0.0 if lower_bound is None else float(lower_bound))
 
 
+def kernel_beta(b: Tensor, allow_neg_eigval: bool) -> tuple:
+    """use_beta_sigmoid_in_kernel for kda_aot.chunk_kda, checked: the logits as the kernels read them (bf16 as
+    they are, any other float as fp32: FLA's sigmoid reads them in fp32) and beta's kind (kda.BETA_SIGMOID, or
+    BETA_SIGMOID_2 with allow_neg_eigval). The kernels form beta in fp32 and never round it to bf16, as FLA."""
+    if not b.is_floating_point():
+        raise TypeError(f"beta: the raw beta must be floating point with use_beta_sigmoid_in_kernel, got {b.dtype}")
+    return (b if b.dtype == torch.bfloat16 else b.float()), (BETA_SIGMOID_2 if allow_neg_eigval else BETA_SIGMOID)
+
+
 def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """beta = sigmoid(b), or 2 sigmoid(b) with allow_neg_eigval, computed in fp32 (fp64 for fp64 b) and
     returned in `dtype` (the kernels' beta operand is bf16)."""
@@ -96,10 +109,12 @@ def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.b
 
 def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
              lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-             beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False) -> tuple:
+             beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False,
+             beta_logits_in_kernels: bool = False) -> tuple:
     """FLA's per-token input activations, checked: (g as the log decay, beta). q [.., H, K], v, g [.., HV, K]
     and beta [.., HV] with HV a multiple of H; a narrower float g without use_gate_in_kernel is widened to
-    fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate, which the kernels read as it is).
+    fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate, which the kernels read as it is);
+    beta_logits_in_kernels: beta is kernel_beta's logits, which the kernels activate (not activated here).
     Per token: under context parallelism each rank activates its own tokens."""
     for name, t in (("q", q), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
@@ -125,6 +140,6 @@ def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kerne
                 raise ValueError(f"{name}: only used with use_gate_in_kernel=True (g is the log decay here)")
         if g.is_floating_point() and g.dtype not in (torch.float32, torch.float64) and not raw_gate_in_kernels:
             g = g.float()
-    if use_beta_sigmoid_in_kernel:
+    if use_beta_sigmoid_in_kernel and not beta_logits_in_kernels:
         beta = beta_sigmoid(beta, allow_neg_eigval, beta_dtype)
     return g, beta

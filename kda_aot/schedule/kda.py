@@ -62,6 +62,25 @@ class GateActivation:
                 if x is not None}
 
 
+# beta's activation inside kda_fwd_chunk, kda_bwd_chunk and kda_bwd_gate (templates/common/kda.h BetaKind): with
+# BETA_SIGMOID / BETA_SIGMOID_2 the beta tensor holds the logits b (bf16, or fp32) and each program forms sigmoid(b)
+# (2 sigmoid(b)) in fp32 on load; the backward's dbeta is then b's gradient (beta_logits_grad).
+BETA_PLAIN, BETA_SIGMOID, BETA_SIGMOID_2 = 0, 1, 2
+BETA_KINDS = (BETA_PLAIN, BETA_SIGMOID, BETA_SIGMOID_2)
+
+
+def beta_logits_grad(dbeta: torch.Tensor, logits: torch.Tensor, kind: int) -> torch.Tensor:
+    """b's gradient from beta's (fp32): dbeta scale sigma(b) (1 - sigma(b)) with sigma in fp32, in the order of
+    FLA's fused_beta_sigmoid_bwd (scale 2 for BETA_SIGMOID_2)."""
+    s = torch.sigmoid(logits.float())
+    return dbeta * (2.0 if kind == BETA_SIGMOID_2 else 1.0) * s * (1.0 - s)
+
+
+def beta_launch_args(kind: int) -> dict:
+    """The keyword a launch of a program that reads beta takes for beta's activation (none without it)."""
+    return {} if kind == BETA_PLAIN else {"beta_kind": kind}
+
+
 @dataclass(frozen=True)
 class QkL2Norm:
     """chunk_kda's use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate (templates/common/kda.h
@@ -85,10 +104,10 @@ class QkL2Norm:
 
 
 def _launch_qk(library, desc: dict, scale: float, stream, gate: Optional[GateActivation],
-               qk_norm: Optional[QkL2Norm], rstd: bool, *norm_args):
-    """A launch of kda_fwd_chunk or kda_bwd_gate (the programs that read q, k, g) with the gate's activation
-    and the q, k norm where given (positional: gate_kind, lower_bound, qk_l2norm, then norm_args); rstd: the
-    norm's rstd tensors go with it."""
+               qk_norm: Optional[QkL2Norm], rstd: bool, *norm_args, beta_kind: int = BETA_PLAIN):
+    """A launch of kda_fwd_chunk or kda_bwd_gate (the programs that read q, k, g and beta) with the gate's
+    activation and the q, k norm where given (positional: gate_kind, lower_bound, qk_l2norm, then norm_args) and
+    beta's activation (beta_launch_args: a keyword, only with it); rstd: the norm's rstd tensors go with it."""
     args = ()
     if gate is not None:
         desc = {**desc, **gate.descriptors()}
@@ -97,7 +116,7 @@ def _launch_qk(library, desc: dict, scale: float, stream, gate: Optional[GateAct
         if rstd:
             desc = {**desc, **qk_norm.descriptors()}
         args = (args or (GATE_RAW, 0.0)) + (True, *norm_args)
-    library.launch(desc, scale, stream, *args)
+    library.launch(desc, scale, stream, *args, **beta_launch_args(beta_kind))
 
 
 def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
@@ -231,22 +250,25 @@ def _pick_form(what: str, form, forms: tuple) -> str:
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      qk_norm=None):
+                      qk_norm=None, beta_kind=BETA_PLAIN):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    qk_norm: a QkL2Norm (q, k raw, normalised in the programs)."""
+    qk_norm: a QkL2Norm (q, k raw, normalised in the programs); beta_kind: one of BETA_KINDS."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             qk_norm=qk_norm)
+                             qk_norm=qk_norm, beta_kind=beta_kind)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
-                         gate: Optional[GateActivation] = None, qk_norm: Optional[QkL2Norm] = None) -> dict:
+                         gate: Optional[GateActivation] = None, qk_norm: Optional[QkL2Norm] = None,
+                         beta_kind: int = BETA_PLAIN) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
-    preallocated gamma; gate: the gate's activation (g the raw gate), kept for the backward; qk_norm: the
-    q, k norm in the programs (QkL2Norm), kept for the backward."""
+    preallocated gamma; gate: the gate's activation (g the raw gate), qk_norm: the q, k norm in the programs
+    (QkL2Norm), beta_kind: beta's activation (beta the logits), all kept for the backward."""
+    if beta_kind not in BETA_KINDS:
+        raise ValueError(f"beta_kind: expected 0, 1 (sigmoid) or 2 (2 sigmoid), got {beta_kind}")
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = v.shape[1], v.shape[2]
     C = tables.chunks.shape[0]
@@ -264,6 +286,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
         "qk_norm": qk_norm,
+        "beta_kind": beta_kind,
     }
 
 
@@ -276,7 +299,8 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
         desc["initial_state"] = describe(initial_state, "initial_state")
     qk_norm = t.get("qk_norm")
     _launch_qk(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t.get("gate"), qk_norm,
-               qk_norm is not None and qk_norm.write, qk_norm.eps if qk_norm is not None else 0.0)
+               qk_norm is not None and qk_norm.write, qk_norm.eps if qk_norm is not None else 0.0,
+               beta_kind=t.get("beta_kind", BETA_PLAIN))
 
 
 def _walk_outputs(v, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
@@ -317,7 +341,8 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None, qk_norm=None):
+                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None, qk_norm=None,
+                  beta_kind=BETA_PLAIN):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
@@ -327,9 +352,10 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
     gate: a GateActivation (g the raw gate; the chunk stage forms the log decay). qk_norm: a QkL2Norm (q, k
-    raw; the chunk stage normalises them and, with write, keeps their rstd)."""
+    raw; the chunk stage normalises them and, with write, keeps their rstd). beta_kind: one of BETA_KINDS (beta
+    the logits with BETA_SIGMOID, BETA_SIGMOID_2)."""
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate,
-                                    qk_norm)
+                                    qk_norm, beta_kind)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.

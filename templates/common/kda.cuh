@@ -79,6 +79,16 @@ __device__ __forceinline__ float activated_gate(const GateChannel& c, float x) {
   return activated_gate_of<kGateSigmoid>(c.a, c.dt, c.lower_bound, x);
 }
 
+// beta of token-major index i (t * H + h) as every program that reads it forms it: the logits' sigmoid in fp32 (FLA's
+// contract: its beta is the fp32 sigmoid, never rounded to bf16), in the gate's approx ops so that kda_fwd_chunk,
+// kda_bwd_chunk and kda_bwd_gate get the same bits; kBetaPlain reads bf16 beta as before.
+__device__ __forceinline__ float activated_beta(const KdaBeta& act, const uint16_t* beta, int64_t i) {
+  const float x = act.logits_f32 ? act.logits_f32[i] : bf16_bits_to_float(beta[i]);
+  if (act.kind == kBetaPlain) return x;
+  const float s = softplus_sigmoid(x).sigmoid;
+  return act.kind == kBetaSigmoid2 ? __fmul_rn(2.f, s) : s;
+}
+
 // d g / d x and d g / d A_log of activation kKind (not kGateRaw) at raw x.
 template <int kKind>
 __device__ __forceinline__ void gate_derivatives_of(float a, float dt, float lower_bound, float x, float& d_x,

@@ -36,6 +36,21 @@ struct KdaGate {
   const uint16_t* raw_bf16;
 };
 
+// beta's activation inside the programs (chunk_kda's use_beta_sigmoid_in_kernel): with kind != kBetaPlain, beta
+// holds the logits b and every program that reads beta (kda_fwd_chunk, kda_bwd_chunk, kda_bwd_gate) forms it on load
+// in fp32 (kda.cuh: activated_beta), so that no activated copy goes through memory; dbeta stays beta's gradient
+// (the caller applies the chain factor where it sums dbeta's parts).
+enum BetaKind : int {
+  kBetaPlain = 0,     // beta is beta
+  kBetaSigmoid = 1,   // sigmoid(b)
+  kBetaSigmoid2 = 2,  // 2 sigmoid(b) (allow_neg_eigval)
+};
+struct KdaBeta {
+  int kind;
+  // [T, H] the logits in fp32 (beta then null), or null: beta in bf16 (logits or beta itself).
+  const float* logits_f32;
+};
+
 struct KdaFwdArgs {
   // inputs
   const uint16_t* q;            // [T, qk_heads, 128] bf16
@@ -74,6 +89,7 @@ struct KdaFwdArgs {
   float qk_l2norm_eps;
   float* q_rstd;                // [T, qk_heads] fp32 1 / sqrt(sum q^2 + eps), or null
   float* k_rstd;                // [T, qk_heads] fp32, or null
+  KdaBeta beta_act;             // kda_fwd_chunk: how beta is formed from what the beta tensor holds
 };
 
 }  // namespace kda
@@ -100,6 +116,7 @@ struct KdaBwdArgs {
   const uint16_t* vnew;          // [T, H, 128] bf16 V'
   const uint16_t* akk_inv;       // [T, H, 64]  bf16 (I + L)^-1
   const uint16_t* beta;          // [T, H] bf16
+  KdaBeta beta_act;              // kda_bwd_chunk, kda_bwd_gate: how beta is formed from what the beta tensor holds
   const float* tape;             // [n_chunks, H, 128, 128] fp32 state at each chunk start
   // kda_bwd_chunk outputs (the plain products of the chunk-parallel backward)
   uint16_t* dv;                  // [T, H, 128] bf16  beta * dRv

@@ -36,7 +36,7 @@ inline bool needs(const std::vector<std::string>& need, const char* name) {
 // need_with_o: a tensor that must be given with the output o.
 inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<std::string>& need, const char* what,
                                     const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
-                                    const char* need_with_o = nullptr) {
+                                    const char* need_with_o = nullptr, int beta_kind = kBetaPlain) {
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "tape", "vnew", "final_state", "o",
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
@@ -162,7 +162,11 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     // it (or one that does not read them: the walks get the same tensors)
     const bool raw_gate = (std::string(sp.name) == "g" || std::string(sp.name) == "dg") &&
                           it->second.dtype == kBFloat16 && (gate_kind != kGateRaw || !needs(need, sp.name));
-    if (!raw_gate) expect_dtype(it->second, sp.dtype);
+    // beta may be fp32 as the logits of an activation (FLA's b_proj output in fp32, read as it is), for a program
+    // that activates it (or one that does not read it)
+    const bool f32_logits = std::string(sp.name) == "beta" && it->second.dtype == kFloat32 &&
+                            (beta_kind != kBetaPlain || !needs(need, sp.name));
+    if (!raw_gate && !f32_logits) expect_dtype(it->second, sp.dtype);
     expect_shape(it->second, sp.shape, sp.spelled);
     expect_contiguous(it->second);
     // beta and dbeta are read per element; every other tensor in 16-byte vectors
@@ -174,7 +178,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                         std::string(sp.name) == "gate_dt_bias" || std::string(sp.name) == "da_log_part" ||
                         std::string(sp.name) == "q_rstd" || std::string(sp.name) == "k_rstd" ||
                         std::string(sp.name) == "seg_chunks";
-    expect_aligned(it->second, scalar ? dtype_size(sp.dtype) : (sp.dtype == kInt32 ? 8 : 16));
+    expect_aligned(it->second, scalar ? dtype_size(it->second.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
   }
   expect_one_cuda_device(all);
@@ -223,6 +227,20 @@ inline void check_qk_l2norm(const KdaTensors& k, bool qk_l2norm, bool rstd_neede
     fail_type(std::string(what) + ": qk_l2norm needs q_rstd and k_rstd (the forward's, from kda_fwd_chunk)");
 }
 
+// beta's activation (KdaBeta): its kind from the caller; fp32 logits (check_kda_tensors let them through only
+// with kind 1, 2) are read through logits_f32 and the bf16 pointer is then null.
+inline KdaBeta beta_args(const KdaTensors& k, int kind, const char* what) {
+  if (kind != kBetaPlain && kind != kBetaSigmoid && kind != kBetaSigmoid2)
+    fail_value(std::string(what) + ": beta_kind must be 0 (beta as given), 1 (sigmoid) or 2 (2 sigmoid), got " +
+               std::to_string(kind));
+  KdaBeta act{};
+  act.kind = kind;
+  auto it = k.t.find("beta");
+  if (it != k.t.end() && it->second.present && it->second.dtype == kFloat32)
+    act.logits_f32 = reinterpret_cast<const float*>(it->second.ptr);
+  return act;
+}
+
 template <typename Args>
 inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const Args& a, uint64_t stream,
                          const char* what) {
@@ -235,10 +253,10 @@ inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const 
 inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what,
                            int gate_kind = kGateRaw, double lower_bound = 0.0, bool qk_l2norm = false,
-                           double qk_l2norm_eps = 0.0) {
+                           double qk_l2norm_eps = 0.0, int beta_kind = kBetaPlain) {
   // the walk's output stage adds back Aqk's diagonal rounding error (kda_fwd_chunk's aqk_diag_lo)
   const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind,
-                                         needs(need, "aqk") ? "aqk_diag_lo" : nullptr);
+                                         needs(need, "aqk") ? "aqk_diag_lo" : nullptr, beta_kind);
   KdaFwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
   check_qk_l2norm(k, qk_l2norm, false, what);
@@ -248,11 +266,12 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.qk_l2norm_eps = static_cast<float>(qk_l2norm_eps);
   a.q_rstd = reinterpret_cast<float*>(k.ptr("q_rstd"));
   a.k_rstd = reinterpret_cast<float*>(k.ptr("k_rstd"));
+  a.beta_act = beta_args(k, beta_kind, what);
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
   a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
   a.v = reinterpret_cast<const uint16_t*>(k.ptr("v"));
   a.g = a.gate.raw_bf16 || k.bf16("g") ? nullptr : reinterpret_cast<const float*>(k.ptr("g"));
-  a.beta = reinterpret_cast<const uint16_t*>(k.ptr("beta"));
+  a.beta = a.beta_act.logits_f32 ? nullptr : reinterpret_cast<const uint16_t*>(k.ptr("beta"));
   a.initial_state = reinterpret_cast<const float*>(k.ptr("initial_state"));
   a.chunks = reinterpret_cast<const int32_t*>(k.ptr("chunks"));
   a.seg_chunks = reinterpret_cast<const int32_t*>(k.ptr("seg_chunks"));
@@ -284,10 +303,11 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
 inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what,
                            const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
-                           double lower_bound = 0.0, bool qk_l2norm = false) {
-  const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind);
+                           double lower_bound = 0.0, bool qk_l2norm = false, int beta_kind = kBetaPlain) {
+  const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind, nullptr, beta_kind);
   KdaBwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
+  a.beta_act = beta_args(k, beta_kind, what);
   check_qk_l2norm(k, qk_l2norm, true, what);
   a.qk_l2norm = qk_l2norm ? 1 : 0;
   a.q_rstd = reinterpret_cast<const float*>(k.ptr("q_rstd"));
@@ -313,7 +333,7 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.u = reinterpret_cast<const uint16_t*>(k.ptr("u"));
   a.vnew = reinterpret_cast<const uint16_t*>(k.ptr("vnew"));
   a.akk_inv = reinterpret_cast<const uint16_t*>(k.ptr("akk_inv"));
-  a.beta = reinterpret_cast<const uint16_t*>(k.ptr("beta"));
+  a.beta = a.beta_act.logits_f32 ? nullptr : reinterpret_cast<const uint16_t*>(k.ptr("beta"));
   a.tape = reinterpret_cast<const float*>(k.ptr("tape"));
   a.dv = reinterpret_cast<uint16_t*>(k.ptr("dv"));
   a.drk = reinterpret_cast<uint16_t*>(k.ptr("drk"));
