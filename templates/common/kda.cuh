@@ -245,6 +245,27 @@ __device__ __forceinline__ void cp_chunk_cols(__nv_bfloat16 (*dst)[kPitch], cons
 
 namespace kda {
 
+// The gate tile of one chunk onto the async path (columns [c0, c0 + kCols) of head h, rows >= len zero): the raw
+// bf16 gate, 8 a copy, into raw when raw16 is given, else the fp32 gate g, 4 a copy, into G.
+template <int kThreads, int kCols, int kPitchG>
+__device__ __forceinline__ void cp_gate_tile(float (*G)[kPitchG], uint16_t (*raw)[kCols], const float* g,
+                                             const uint16_t* raw16, int64_t t0, int len, int64_t H, int64_t h,
+                                             int c0, int tid) {
+  if (!raw16) {
+    for (int i = tid; i < kChunk * (kCols / 4); i += kThreads) {
+      const int r = i / (kCols / 4), col = (i % (kCols / 4)) * 4;
+      const bool valid = r < len;
+      cp_async_16(&G[r][col], g + ((t0 + (valid ? r : 0)) * H + h) * kHeadDim + c0 + col, valid);
+    }
+  } else {
+    for (int i = tid; i < kChunk * (kCols / 8); i += kThreads) {
+      const int r = i / (kCols / 8), col = (i % (kCols / 8)) * 8;
+      const bool valid = r < len;
+      cp_async_16(&raw[r][col], raw16 + ((t0 + (valid ? r : 0)) * H + h) * kHeadDim + c0 + col, valid);
+    }
+  }
+}
+
 // A warp's 16-row slice of a 128 x (8 NT) fp32 state in mma accumulator layout (rows m0 + g8 and
 // m0 + g8 + 8, columns 8 nt + 2 tg, +1), to or from a row-major matrix with 128-float rows.
 template <int NT>
