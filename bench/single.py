@@ -90,8 +90,10 @@ def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
     """Boundary "gate": a replay training step as FLA's layer calls it - the raw gate (bf16, as its f_proj
     gives it) with A_log and dt_bias, activated by chunk_kda (use_gate_in_kernel), beta as logits
     (use_beta_sigmoid_in_kernel) - against the same step on the activated gate and beta given (arm
-    kda_aot, the step of the rows above); FLA's same call beside when installed. Rows: boundary
-    "gate", arms kda_aot (precomputed), kda_aot/gate, fla/gate."""
+    kda_aot, the step of the rows above, the activations not timed) and on the activations run as torch
+    operations inside the step (arm kda_aot/torch-gate, what a caller without the flags runs); FLA's same
+    call beside when installed. Rows: boundary "gate", arms kda_aot (precomputed), kda_aot/gate,
+    kda_aot/torch-gate, fla/gate."""
     raw, a_log, dt_bias, logits = (x.requires_grad_() for x in fla_gate_inputs(q.shape[1], H))
     with torch.no_grad():
         g_act = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, HEAD_DIM))
@@ -101,7 +103,12 @@ def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
     gated = [raw, a_log, dt_bias, logits]
     do = torch.randn_like(v)
     flags = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+    def torch_gate():
+        g = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, HEAD_DIM))
+        return chunk_kda(*leaves, g, torch.sigmoid(logits.float()).to(torch.bfloat16), cu_seqlens=cu_host)[0]
     arms = {"kda_aot": _fwdbwd(lambda: chunk_kda(*leaves, *pre, cu_seqlens=cu_host)[0], leaves + pre, do),
+            "kda_aot/torch-gate": _fwdbwd(torch_gate, leaves + gated, do),
             "kda_aot/gate": _fwdbwd(lambda: chunk_kda(*leaves, raw, logits, A_log=a_log, dt_bias=dt_bias,
                                                       cu_seqlens=cu_host, **flags)[0], leaves + gated, do)}
     if fla is not None:
