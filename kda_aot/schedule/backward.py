@@ -46,18 +46,18 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     for neither). `out` may hold preallocated tensors.
     walk_form: auto | full | split | quarter (default: Options.walk_form, auto = the fit
     rule). sm_count: the SMs the fit rule plans for (default: the device's); pool: as chunk_kda_walk's."""
-    q = saved["v"]  # (H: the value heads)
-    _check_dout(dout, q)
-    N, H, C = saved["seg_chunks"].numel() - 1, q.shape[2], saved["chunks"].shape[0]
+    v = saved["v"]  # H below: the value heads
+    _check_dout(dout, v)
+    N, H, C = saved["seg_chunks"].numel() - 1, v.shape[2], saved["chunks"].shape[0]
     scale = saved["scale"]
     out = dict(out or {})
-    f32 = dict(device=q.device, dtype=torch.float32)
+    f32 = dict(device=v.device, dtype=torch.float32)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "qg", "kg", "aqk", "gamma")}
     t.update(dout=dout.contiguous(), dfinal_state=dfinal_state,
              dtape=out_or(out, "dtape", lambda: torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, **f32)) if need_dtape else None,
              dinitial_state=(out_or(out, "dinitial_state", lambda: torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, **f32))
                              if need_dinitial_state else None))
-    kda._launch_walk("kda_bwd_walk", t, saved["chain_lengths"], H, scale, q.device, walk_form, sm_count, pool)
+    kda._launch_walk("kda_bwd_walk", t, saved["chain_lengths"], H, scale, v.device, walk_form, sm_count, pool)
     return t["dtape"], t["dinitial_state"]
 
 
@@ -78,15 +78,15 @@ _BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daq
 
 def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     """kda_bwd_chunk's inputs (from saved, dout, dtape) and its outputs, allocated (nothing launched)."""
-    q = saved["v"]  # (H: the value heads)
+    v = saved["v"]  # H below: the value heads
     if saved.get("tape") is None:
         raise ValueError("saved: run chunk_kda_fwd with save_tape=True (the backward reads the tape)")
-    T, H, C = q.shape[1], q.shape[2], saved["chunks"].shape[0]
-    f32 = dict(device=q.device, dtype=torch.float32)
-    bf16 = dict(device=q.device, dtype=torch.bfloat16)
+    T, H, C = v.shape[1], v.shape[2], saved["chunks"].shape[0]
+    f32 = dict(device=v.device, dtype=torch.float32)
+    bf16 = dict(device=v.device, dtype=torch.bfloat16)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
-    t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(q),
+    t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(v),
              beta_kind=saved.get("beta_kind", kda.BETA_PLAIN),
              drk=torch.empty(1, T, H, kda.HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, kda.HEAD_DIM, **bf16),
              dkg=torch.empty(1, T, H, kda.HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
@@ -108,22 +108,22 @@ def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None
 def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     """kda_bwd_gate's inputs (from saved and kda_bwd_chunk's outputs) and its outputs, allocated (dq, dk one per
     value head: _gate_result sums each group)."""
-    q = saved["v"]  # (H: the value heads)
-    T, H = q.shape[1], q.shape[2]
+    v = saved["v"]  # H below: the value heads
+    T, H = v.shape[1], v.shape[2]
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
                                              "dgam_s")})
-    t.update(dq=torch.empty_like(q), dk=torch.empty_like(q), dg=torch.empty_like(saved["g"]), scale=saved["scale"],
+    t.update(dq=torch.empty_like(v), dk=torch.empty_like(v), dg=torch.empty_like(saved["g"]), scale=saved["scale"],
              qk_norm=saved.get("qk_norm"), beta_kind=saved.get("beta_kind", kda.BETA_PLAIN))
     gate = saved.get("gate")
     if gate is not None:  # each chunk's parts of the gate parameters' gradients, summed after in a fixed order
         C = saved["chunks"].shape[0]
-        t.update(gate=gate, ddt_bias_part=torch.empty(C, H, kda.HEAD_DIM, device=q.device, dtype=torch.float32),
-                 da_log_part=torch.empty(C, H, 2, device=q.device, dtype=torch.float32))
+        t.update(gate=gate, ddt_bias_part=torch.empty(C, H, kda.HEAD_DIM, device=v.device, dtype=torch.float32),
+                 da_log_part=torch.empty(C, H, 2, device=v.device, dtype=torch.float32))
     if gate_form.startswith("split"):  # each channel half writes its dbeta partial; summed after, in a fixed order
-        t["dbeta_part"] = torch.empty(2, T, H, device=q.device, dtype=torch.float32)
+        t["dbeta_part"] = torch.empty(2, T, H, device=v.device, dtype=torch.float32)
     else:
-        t["dbeta"] = torch.empty(1, T, H, device=q.device, dtype=torch.float32)
+        t["dbeta"] = torch.empty(1, T, H, device=v.device, dtype=torch.float32)
     return t
 
 
@@ -203,12 +203,12 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     side stream on the SMs fit.rewalk_beside gives it, beside kda_bwd_chunk over the other segments'
     chunks, then kda_bwd_chunk over theirs; or (no such SM count) the walk first on every SM (alone,
     a rewalk runs on a GPU kda_bwd_chunk could fill: docs/cp.md)."""
-    q = saved["v"]  # (H: the value heads)
-    lengths, H = saved["chain_lengths"], q.shape[2]
+    v = saved["v"]  # H below: the value heads
+    lengths, H = saved["chain_lengths"], v.shape[2]
     runs = segment_runs(set(rewalk), len(lengths))
     form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
     t = _bwd_chunk_tensors(saved, dout, dtape)
-    sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda.device_sms(q.device))
+    sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda.device_sms(v.device))
 
     def walk_again(sm_count=None):
         for a, b in runs:
@@ -220,8 +220,8 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
         _launch_bwd_chunk(t, form)
     else:
         first = (0, *itertools.accumulate(lengths))
-        main = torch.cuda.current_stream(q.device)
-        side = kda._side_streams(q.device, 1, "rewalk")[0]
+        main = torch.cuda.current_stream(v.device)
+        side = kda._side_streams(v.device, 1, "rewalk")[0]
         side.wait_stream(main)
         try:
             with torch.cuda.stream(side):
@@ -291,20 +291,20 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     half the SMs (their tails leave SMs idle that the other fills). Returns (saved context,
     [dtape, d_initial_state] or None; dtape None for need_dtape=False, the offset walk). Bitwise the
     same as the walks one after the other (Options.replay_overlap=False)."""
-    q = prepared["v"]  # (H: the value heads)
-    T, H, C = q.shape[1], q.shape[2], prepared["chunks"].shape[0]
+    v = prepared["v"]  # H below: the value heads
+    T, H, C = v.shape[1], v.shape[2], prepared["chunks"].shape[0]
     # allocated here, on the current stream: the side stream only launches
-    out = {"tape": torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32),
-           "vnew": torch.empty(1, T, H, kda.HEAD_DIM, device=q.device, dtype=torch.bfloat16)}
+    out = {"tape": torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=v.device, dtype=torch.float32),
+           "vnew": torch.empty(1, T, H, kda.HEAD_DIM, device=v.device, dtype=torch.bfloat16)}
     if dout is None or not options.current().replay_overlap:
         _, _, saved = kda.chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
                                      want_output=False)
         walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state,
                                                                  need_dtape=need_dtape))
         return saved, walk
-    main = torch.cuda.current_stream(q.device)
-    side = kda._side_streams(q.device, 1, "replay")[0]
-    half = max(1, kda.device_sms(q.device) // 2)  # each walk is planned on half the SMs: they share the GPU
+    main = torch.cuda.current_stream(v.device)
+    side = kda._side_streams(v.device, 1, "replay")[0]
+    half = max(1, kda.device_sms(v.device) // 2)  # each walk is planned on half the SMs: they share the GPU
     side.wait_stream(main)
     try:
         with torch.cuda.stream(side):
