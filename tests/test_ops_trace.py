@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda_aot
-from kda_aot.ops.chunk_kda import SAVED, max_chunks
+from kda_aot.ops.chunk_kda_ops import SAVED, max_chunks
 from kda_aot._runtime.packing import CHUNK, chunk_table
 
 OPS = torch.ops.kda_aot
