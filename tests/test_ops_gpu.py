@@ -189,6 +189,32 @@ def test_cu_seqlens_forms_are_bitwise_the_same():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kw
 
 
+def test_a_device_cu_seqlens_is_read_once():
+    """FLA's layer passes cu_seqlens on the GPU, the same tensor to every layer: the first call reads it (a host
+    sync); later forwards and backwards on that tensor make no host sync at all (torch's sync debug mode raises at
+    one), and give the bits of the first."""
+    H, lens = 2, [1, 63, 64, 65, 300]
+    leaves, g, beta, h0, cu = inputs(lens, H, rng("cu-once"))
+    cu_dev = cu.cuda()
+    do = torch.randn(1, sum(lens), H, 128, device="cuda", generator=rng("cu-once-do")).to(BF)
+
+    def step():
+        for x in (*leaves, g, beta):
+            x.grad = None
+        o, _ = chunk_kda(*leaves, g, beta, cu_seqlens=cu_dev, use_qk_l2norm_in_kernel=True)
+        o.backward(do)
+        return [o.detach(), *(x.grad for x in (*leaves, g, beta))]
+
+    first = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 def test_cu_seqlens_errors_name_the_argument():
     leaves, g, beta, h0, cu = inputs([10, 20], 1, rng("cu-errors"))
     args = [x.detach() for x in (*leaves, g, beta)]

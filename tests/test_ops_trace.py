@@ -168,3 +168,26 @@ def test_fla_layer_call_traces_into_one_graph():
     for got, want in zip(outs, ins):
         meta = got.meta["val"]
         assert meta.shape == want.shape and meta.dtype == want.dtype
+
+
+def test_a_device_cu_seqlens_is_copied_to_the_host_once_per_tensor_and_version():
+    """host_copy: the same device tensor gives the same CPU copy (no second sync); written in place, or another
+    tensor, a new copy; a CPU tensor is its own copy. (A fake CUDA tensor stands for a real one.)"""
+    import gc
+
+    from kda_aot._runtime.packing import _HOST_COPIES, host_copy
+    with FakeTensorMode():
+        cu = torch.tensor([0, 64, 100], dtype=torch.int32, device="cuda")
+        first = host_copy(cu)
+        assert first.device.type == "cpu" and host_copy(cu) is first
+        cu.add_(0)  # a new version: its values may have changed
+        second = host_copy(cu)
+        assert second is not first and host_copy(cu) is second
+        other = torch.tensor([0, 64, 100], dtype=torch.int32, device="cuda")
+        assert host_copy(other) is not second
+        entries = len(_HOST_COPIES)
+        del cu, other
+        gc.collect()
+        assert len(_HOST_COPIES) == entries - 2  # an entry goes with its tensor
+    on_cpu = torch.tensor([0, 3])
+    assert host_copy(on_cpu) is on_cpu

@@ -1,7 +1,8 @@
 """Document boundaries -> the device tables the kernels read, cached by value.
 
 `cu_seqlens` is validated on the host: a CUDA tensor costs one small device-to-host copy (a
-sync), a CPU tensor costs none. The device-side tables (int32 boundaries, the chunk table and
+sync) the first time the op sees that tensor (host_copy keeps the copy while the tensor lives unwritten),
+a CPU tensor costs none. The device-side tables (int32 boundaries, the chunk table and
 each segment's first chunk) are built once per (boundaries, device) and reused, so repeated calls
 on the same pack copy nothing — pass `cu_seqlens` on the CPU and a step launches no host syncs
 (what a CUDA graph capture needs; warm the cache with one call before capturing).
@@ -12,6 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .tensor import check_cu_seqlens
 
@@ -22,6 +24,29 @@ CHUNK = 64  # tokens per chunk; a chunk never crosses a segment, a segment's las
 # (mode="reduce-overhead") run these ops between their graphs. A whole step captured by the caller
 # (torch.cuda.graph) on one pack replays that pack.
 PLANNED_FROM_HOST = (torch.Tag.cudagraph_unsafe,)
+
+
+# tensor -> (its version counter when copied, its CPU copy); keyed by identity, an entry goes with its tensor
+_HOST_COPIES = WeakIdKeyDictionary()
+
+
+def host_copy(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens on the CPU, copied once per tensor and version: FLA's layers hand every layer's forward and
+    backward the same device tensor, and a copy (a host sync) each time would stop the host from running ahead
+    of the GPU. Written in place (a new version) or a new tensor: copied again. Tensors without a version
+    counter (inference mode) are copied each time."""
+    if cu_seqlens.device.type == "cpu":
+        return cu_seqlens
+    try:
+        version = cu_seqlens._version
+    except RuntimeError:  # an inference tensor: no version counter to trust a cached copy by
+        return cu_seqlens.cpu()
+    hit = _HOST_COPIES.get(cu_seqlens)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    copy = cu_seqlens.cpu()
+    _HOST_COPIES[cu_seqlens] = (version, copy)
+    return copy
 
 
 def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:

@@ -13,7 +13,7 @@ from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, kernel_beta, kernel_gate
 from .norm import l2norm
 from .. import options
-from .._runtime.packing import CHUNK
+from .._runtime.packing import CHUNK, host_copy
 from .._runtime.tensor import require_cuda
 
 BACKWARD_MODES = ("replay", "saved")
@@ -214,7 +214,10 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
         q, k, v, g = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g))
         beta = beta.reshape(1, B * T, beta.shape[2])
     else:
-        cu = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
+        # a device cu_seqlens read once per tensor (host_copy), not by each op: no host sync in later layers or the
+        # backward; under torch.compile the op reads it (a traced op cannot keep a host cache)
+        cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
+            cu_seqlens if torch.compiler.is_compiling() else host_copy(cu_seqlens))
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     wants_grad = torch.is_grad_enabled() and any(
