@@ -39,14 +39,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
         raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
     if k.shape != q.shape:
         raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T) or v.shape[3] != HEAD_DIM:
-        raise ValueError(f"v: expected shape [{B}, {T}, HV, 128] (HV a multiple of q's H = {H}), got "
-                         f"{list(v.shape)}")
-    HV = v.shape[2]
-    if HV % H != 0:
-        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
-    if HV > MAX_HEADS:
-        raise ValueError(f"v: at most {MAX_HEADS} heads, got {HV}")
+    HV = kda.value_heads(q, v)
     if g.shape != v.shape:
         raise ValueError(f"g: expected shape {list(v.shape)} (as v), got {list(g.shape)}")
     if tuple(beta.shape) != (B, T, HV):

@@ -137,9 +137,8 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
     if k.shape != q.shape:
         raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
     T, H = q.shape[1], value_heads(q, v)
-    for name, t in (("v", v), ("g", g)):
-        if t.shape != (1, T, H, q.shape[3]):
-            raise ValueError(f"{name}: expected shape {[1, T, H, q.shape[3]]} (as v), got {list(t.shape)}")
+    if g.shape != v.shape:
+        raise ValueError(f"g: expected shape {list(v.shape)} (as v), got {list(g.shape)}")
     if tuple(beta.shape) != (1, T, H):
         raise ValueError(f"beta: expected shape [1, {T}, {H}], got {list(beta.shape)}")
     tables = tables_of(cu_seqlens, T, q.device)
@@ -154,16 +153,18 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
 
 
 def value_heads(q, v) -> int:
-    """v's heads H, checked against q's (grouped value heads: a multiple of them, at most MAX_HEADS)."""
-    if v.dim() != 4 or v.shape[1] != q.shape[1]:
-        raise ValueError(f"v: expected shape [1, {q.shape[1]}, H, 128] (as q, H a multiple of q's heads), got "
+    """v's heads HV, checked against q's [B, T, H, D] (v [B, T, HV, D], grouped value heads: HV a multiple of H,
+    at most MAX_HEADS); the one check of v's shape, for the public op and the programs' callers alike."""
+    B, T, H = q.shape[:3]
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T) or v.shape[3] != q.shape[3]:
+        raise ValueError(f"v: expected shape [{B}, {T}, HV, 128] (HV a multiple of q's H = {H}), got "
                          f"{list(v.shape)}")
-    H = v.shape[2]
-    if H > MAX_HEADS:
-        raise ValueError(f"v: at most {MAX_HEADS} heads, got {H}")
-    if H % q.shape[2] != 0:
-        raise ValueError(f"v: its heads (HV = {H}) must be a multiple of q's and k's (H = {q.shape[2]})")
-    return H
+    HV = v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
+    if HV > MAX_HEADS:
+        raise ValueError(f"v: at most {MAX_HEADS} heads, got {HV}")
+    return HV
 
 
 def tables_of(cu_seqlens, T: int, device) -> PackTables:
