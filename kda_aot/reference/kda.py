@@ -112,7 +112,10 @@ def per_value_head(x: torch.Tensor, value_heads: int) -> torch.Tensor:
 
 
 def sum_value_head_groups(dx: torch.Tensor, heads: int) -> torch.Tensor:
-    """per_value_head's adjoint: dq or dk [1, T, HV, K] per value head summed over each group -> [1, T, H, K]."""
+    """per_value_head's adjoint: dq or dk [1, T, HV, K] per value head summed over each group -> [1, T, H, K]
+    (dx itself without grouping). Also kda_bwd_gate's bf16 dq, dk: torch's sum accumulates in fp32 and rounds
+    once, with no atomics, and a group this short is summed by one thread in a fixed order whatever the other
+    dims (so the replay's head groups give the saved mode's bits: tested on the GPU)."""
     HV = dx.shape[2]
     if HV == heads:
         return dx

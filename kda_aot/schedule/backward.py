@@ -12,6 +12,7 @@ import torch
 from . import execute, fit, kda
 from .. import options
 from ..ops.norm import l2norm_backward
+from ..reference.kda import sum_value_head_groups
 from .._runtime import registry
 from .._runtime.packing import CHUNK
 from .._runtime.tensor import out_or
@@ -23,18 +24,6 @@ def _check_dout(dout, v):
         raise TypeError(f"dout: expected a torch.Tensor, got {type(dout).__name__}")
     if dout.shape != v.shape:
         raise ValueError(f"dout: expected shape {list(v.shape)} (as o), got {list(dout.shape)}")
-
-
-def sum_value_head_groups(dx: torch.Tensor, heads: int) -> torch.Tensor:
-    """kda_bwd_gate's dq or dk [1, T, H, 128] bf16, one per value head, summed over each q, k head's group
-    of H / heads value heads (grouped value heads): [1, T, heads, 128] bf16, accumulated in fp32 and rounded
-    once. torch's sum over the group: no atomics, and a group this short is summed by one thread in a fixed
-    order whatever the other dims (the replay's head groups give the saved mode's bits: tested on the GPU);
-    without grouping dx itself."""
-    H = dx.shape[2]
-    if H == heads:
-        return dx
-    return dx.view(dx.shape[0], dx.shape[1], heads, H // heads, dx.shape[3]).sum(3)
 
 
 def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_state=True, need_dtape=True,
