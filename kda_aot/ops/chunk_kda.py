@@ -87,8 +87,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     multiple of H (grouped value heads: value head j reads q, k head j // (HV / H)); initial_state
     [N, HV, 128, 128] fp32 ([N, HV, V, K] with state_v_first, and so the final state). Packed documents:
     B = 1 and cu_seqlens [N + 1] int32/int64, non-decreasing (zero-length documents are legal), on the
-    CPU or q's device; on the device, give its CPU copy as cu_seqlens_cpu to spare the host sync that
-    reads it (the two must hold the same values). Without cu_seqlens, B sequences of T tokens (N = B).
+    CPU or q's device; a device tensor is read to the host once (a sync) and that copy reused while the
+    tensor lives unwritten, or give its CPU copy as cu_seqlens_cpu (the two must hold the same values) and no
+    call syncs. Without cu_seqlens, B sequences of T tokens (N = B).
     Any strides. Returns (o [B, T, HV, 128] bf16, final_state or None).
 
     g: the log decay (fp32; a narrower float is widened exactly), or with use_gate_in_kernel the raw
