@@ -33,7 +33,7 @@ done
 stamp "built A ($A) and B ($B, $PATCH applied)"
 # in_tree DIR SECONDS LOG COMMAND: COMMAND from DIR's root, DIR's package first on the path, capped.
 in_tree() {
-  timeout -s INT -k 10 "$(cap "$2")" bash -c "cd $1 && PYTHONPATH=$1:\${PYTHONPATH:-} $4" > "$3" 2>&1
+  timeout -s INT -k 10 "$(cap "$2")" bash -c "cd $1 && export PYTHONPATH=$1:\${PYTHONPATH:-} && $4" > "$3" 2>&1
 }
 # ab NAME SECONDS COMMAND: COMMAND in A, B, A, B (ARM and ROUND exported to it), logs NAME_ARM_ROUND.log.
 ab() {
