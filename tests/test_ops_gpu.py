@@ -291,6 +291,45 @@ def test_reduce_overhead_replays_bitwise_on_every_pack(mode):
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("backward", ["replay", "saved"])
+def test_compiled_fla_layer_call_is_bitwise_eager(backward):
+    """FLA's layer call as its layer makes it (q, k, v views of one projection, the raw bf16 gate with A_log and
+    dt_bias reaching g < -30, beta logits, the norm in the call, a device cu_seqlens), `o.sum()` as the loss,
+    under torch.compile(fullgraph=True): finite and bitwise the eager call. Dynamo's builtins differ between
+    torch versions (torch 2.11 cannot trace bool() of a tuple), so the kernels' own call path is traced here."""
+    gen = rng(SEED + 41)
+    H, D, lens = 2, 128, [1, 63, 64, 65, 700]
+    T = sum(lens)
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
+    proj = (2 * torch.randn(1, T, 3 * H * D, device="cuda", generator=gen)).to(BF).requires_grad_()
+    raw = (8 * torch.randn(1, T, H, D, device="cuda", generator=gen)).to(BF).requires_grad_()
+    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(BF).requires_grad_()
+    a_log = torch.log(15 * torch.rand(H, device="cuda", generator=gen) + 1).requires_grad_()
+    dt_bias = (0.1 * torch.randn(H * D, device="cuda", generator=gen)).requires_grad_()
+    leaves = (proj, raw, logits, a_log, dt_bias)
+
+    def call(proj, raw, logits, a_log, dt_bias):
+        q, k, v = (t.view(1, T, H, D) for t in proj.split(H * D, dim=-1))
+        return chunk_kda(q, k, v, raw, logits, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu, backward=backward,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)[0]
+
+    def step(fn):
+        for x in leaves:
+            x.grad = None
+        o = fn(*leaves)
+        o.sum().backward()
+        return [o.detach()] + [x.grad.clone() for x in leaves]
+
+    with torch.no_grad():
+        g = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, D))
+    assert g.min().item() < -30
+    eager = step(call)
+    compiled = step(torch.compile(call, fullgraph=True))
+    for name, a, b in zip(("o", "dproj", "draw", "dlogits", "dA_log", "ddt_bias"), eager, compiled):
+        assert torch.isfinite(a).all(), f"{backward} {name}: not finite"
+        assert torch.equal(a, b), f"{backward} {name}: compiled differs from eager"
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "doc_zigzag"])
 def test_compiled_cp_step_on_one_gpu_is_bitwise_eager(tmp_path, layout):
     """The CP path on the kernels (a one-rank NCCL group: the plan is the single-device segmentation, the

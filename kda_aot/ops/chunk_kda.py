@@ -125,7 +125,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         beta, beta_kind = kernel_beta(beta, allow_neg_eigval)
     g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=bool(gate_args),
+                       allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=len(gate_args) > 0,
                        beta_logits_in_kernels=beta_kind != kda.BETA_PLAIN)
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
@@ -200,7 +200,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked, or
     with qk_l2norm normalised in the kernels); gate_args: the kernels' gate activation (kernel_gate), g then the
     raw gate; beta_kind: beta's (kernel_beta), beta then the logits."""
-    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=bool(gate_args),
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=len(gate_args) > 0,
                   beta_logits=beta_kind != kda.BETA_PLAIN)
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:  # B equal-length sequences = B packed documents of T tokens
