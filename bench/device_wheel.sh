@@ -4,7 +4,7 @@
 #   2. a fresh venv outside the checkout with only the wheel installed; it sees the device's torch (and the
 #      carried FLA wheels in /tmp/site) through a .pth, the machine having no network
 #   3. from /tmp: FLA's layer call as training code makes it (q, k, v views of one fused projection, the raw bf16
-#      gate x 8 with A_log and dt_bias so that g reaches -30, beta logits, the norm in the kernels, documents of
+#      gate x 8 with A_log and dt_bias so that g reaches -30, beta logits, q and k L2-normalised in the call, documents of
 #      1, 63, 64, 65 and 2,000 tokens), eager and under torch.compile, `o.sum().backward()`: finite, and the
 #      compiled gradients bitwise the eager ones
 #   4. tests/test_installed.py and tests/test_ops_gpu.py against the installed package (KDA_AOT_TEST_INSTALLED=1)

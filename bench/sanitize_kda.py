@@ -91,22 +91,10 @@ for mode in ("saved", "replay"):
 with options.using(max_heads=1):
     chunk_kda(*qk, *(x.clone().requires_grad_() for x in (v, g, beta)), cu_seqlens=cu.cpu(), initial_state=h0,
               backward="replay")[0].backward(do)
-# use_qk_l2norm_in_kernel normalised inside kda_fwd_chunk (rstd written) and kda_bwd_gate (split and full
-# forms), raw q, k at any scale: both modes, grouped value heads, the replay in head groups (rstd read only)
-raw_q, raw_k = (x * 3 for x in (q, k))
-for form in ("split_staged", "full"):  # (full: a test-only form, when built)
-    for mode in ("saved", "replay"):
-        try:
-            with options.using(gate_form=form):
-                o, ht = chunk_kda(*(x.clone().requires_grad_() for x in (raw_q, raw_k, v, g, beta)),
-                                  cu_seqlens=cu.cpu(), initial_state=h0, output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True, backward=mode)
-                torch.autograd.backward((o, ht), (do, dht))
-        except registry.RecordError as e:
-            print(f"sanitize_kda: skipped kda_bwd_gate/{form} with the fused norm ({e})")
-raw_qk = [x[:, :, :1].contiguous().requires_grad_() for x in (raw_q, raw_k)]
-with options.using(max_heads=1):
-    chunk_kda(*raw_qk, *(x.clone().requires_grad_() for x in (v, g, beta)), cu_seqlens=cu.cpu(), initial_state=h0,
-              use_qk_l2norm_in_kernel=True, backward="replay")[0].backward(do)
+# FLA's layer call: use_qk_l2norm_in_kernel (the l2norm op, then the kernels) on raw q, k
+for mode in ("saved", "replay"):
+    o, ht = chunk_kda(*(x.clone().requires_grad_() for x in (q * 3, k * 3, v, g, beta)), cu_seqlens=cu.cpu(),
+                      initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, backward=mode)
+    torch.autograd.backward((o, ht), (do, dht))
 torch.cuda.synchronize()
 print("sanitize_kda: ok")

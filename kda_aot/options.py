@@ -32,9 +32,6 @@ class Options:
     # the replay backward's forward walks beside its backward walks, and the last group in pieces
     # (test_kda_bwd_gpu.py::test_replay_walks_side_by_side_are_bitwise_the_sequential_replay, test_cp_cuda.py)
     replay_overlap: bool = True
-    # chunk_kda's use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate (True) or the l2norm op first
-    # (False, shipped: the norm runs once, not in the forward, the replay and the gate; docs/forward.md)
-    qk_l2norm_fused: bool = False
     # at most this many heads per replay-backward group (0: as many as memory holds)
     max_heads: int = 0
     # context parallelism: the pipelined orders, the summaries batched (test_cp_nccl_cuda.py)

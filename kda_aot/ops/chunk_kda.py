@@ -12,7 +12,6 @@ from ..schedule.kda import HEAD_DIM, MAX_HEADS
 from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, kernel_beta, kernel_gate
 from .norm import l2norm
-from .. import options
 from .._runtime.packing import CHUNK, host_copy
 from .._runtime.tensor import require_cuda
 
@@ -130,14 +129,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
-    fused_norm = False
     if use_qk_l2norm_in_kernel:
         _check_head_dim(q, "q")
-        fused_norm = _qk_l2norm_in_kernels(q)
-        if not fused_norm:
-            q, k = _qk_l2norm(q, k)
+        q, k = _qk_l2norm(q, k)
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, mode, gate_args, fused_norm, beta_kind)
+                                 cu_seqlens_cpu, mode, gate_args, beta_kind)
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
@@ -167,15 +163,10 @@ def _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_
         raise NotImplementedError(f"chunk_size: kda_aot's kernels run chunks of {CHUNK} tokens, got {chunk_size}")
 
 
-def _qk_l2norm_in_kernels(q) -> bool:
-    """use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate (q, k read raw, their normalised copies
-    never written): on the GPU unless Options.qk_l2norm_fused is off (the l2norm op first, bitwise the same)."""
-    return isinstance(q, torch.Tensor) and q.is_cuda and options.current().qk_l2norm_fused
-
-
 def _qk_l2norm(q, k):
-    """use_qk_l2norm_in_kernel: q and k normalised per head (the norm's kernel is the op's first: the refusal of
-    CPU tensors comes here, naming q)."""
+    """use_qk_l2norm_in_kernel: q and k normalised per head by the l2norm op, once: its output is what the
+    forward, the replay and the backward read (normalising inside each of them measured slower: docs/forward.md).
+    The norm's kernel is the op's first: the refusal of CPU tensors comes here, naming q."""
     require_cuda(q, "q", "chunk_kda")
     return l2norm(q), l2norm(k)
 
@@ -196,9 +187,9 @@ def _check_head_dim(x, name):
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      backward, gate_args=(), qk_l2norm=False, beta_kind=kda.BETA_PLAIN):
-    """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked, or
-    with qk_l2norm normalised in the kernels); gate_args: the kernels' gate activation (kernel_gate), g then the
+                      backward, gate_args=(), beta_kind=kda.BETA_PLAIN):
+    """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked);
+    gate_args: the kernels' gate activation (kernel_gate), g then the
     raw gate; beta_kind: beta's (kernel_beta), beta then the logits."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=len(gate_args) > 0,
                   beta_logits=beta_kind != kda.BETA_PLAIN)
@@ -217,9 +208,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
-    # keywords only where the call needs them: the plain call's op call as it was
-    kwargs = {"qk_l2norm": True} if qk_l2norm else {}
-    if beta_kind != kda.BETA_PLAIN:
-        kwargs["beta_kind"] = beta_kind
+    # a keyword only where the call needs it: the plain call's op call as it was
+    kwargs = {"beta_kind": beta_kind} if beta_kind != kda.BETA_PLAIN else {}
     o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **kwargs)[:2]
     return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

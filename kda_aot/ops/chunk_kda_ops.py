@@ -11,8 +11,6 @@ gradient). Shapes the fake implementations give:
     with HV a multiple of H (grouped value heads, served inside the kernels)
     saved context (backward="saved"): the chunk intermediates, chunk-indexed ones over
     max_chunks(T, N) rows (the exact chunk count depends on the values of cu_seqlens)
-    qk_rstd (last): with qk_l2norm (use_qk_l2norm_in_kernel, normalised inside the kernels) [2, 1, T, H] fp32,
-    the rstd of q's and k's rows, else [0]
 """
 from typing import Optional
 
@@ -22,7 +20,6 @@ from torch import Tensor
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM
 from .gate import kda_gate
-from .norm import L2NORM_EPS
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 from .._runtime.tensor import require_cuda
 
@@ -84,17 +81,13 @@ def _entering_decay(g: Tensor, tables, gate=None) -> Tensor:
 
 # ------------------------------------------------------------------------------------ forward
 
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate, qk_l2norm=False,
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate,
              beta_kind=kda.BETA_PLAIN):
     """o, final_state (or [0]), with save the saved context (SAVED order, per-chunk tensors over
-    max_chunks rows), then qk_rstd (qk_l2norm: q, k raw, normalised in the kernels; else [0])."""
+    max_chunks rows)."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
     T, H = v.shape[1], v.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
-    qk_rstd, qk_norm = _no_state(q), None
-    if qk_l2norm:
-        qk_rstd = torch.empty(2, *q.shape[:3], device=q.device, dtype=torch.float32)
-        qk_norm = kda.QkL2Norm(qk_rstd[0], qk_rstd[1], L2NORM_EPS, write=True)
     _state_rows(h0, tables.n_docs, H, "initial_state")
     out, full = {}, {}
     if save:
@@ -106,46 +99,43 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         for x in full.values():  # the rows past the pack's chunks hold zeros, not leftover memory
             x[C:].zero_()
     if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
-        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save)[:-1]
+        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save)
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
-        return (o, final, *(x.zero_() for x in context), qk_rstd)
+        return (o, final, *(x.zero_() for x in context))
     require_cuda(q, "q", "chunk_kda")
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
                                         output_final_state=output_final_state, save_tape=save, out=out, gate=gate,
-                                        qk_norm=qk_norm, beta_kind=beta_kind)
+                                        beta_kind=beta_kind)
     if final is not None:
         final = tables.document_rows(final, h0)
     final = _no_state(q) if final is None else final
     if not save:
-        return o, final, qk_rstd
-    return (o, final, *(full.get(name, saved[name]) for name in SAVED), qk_rstd)
+        return o, final
+    return (o, final, *(full.get(name, saved[name]) for name in SAVED))
 
 
-def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save, qk=None, qk_l2norm=False):
-    """Shapes from v (H: the value heads); qk_rstd's from qk (q)."""
+def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save):
+    """Shapes from v (H: the value heads)."""
     q = v
     T, H, N = q.shape[1], q.shape[2], cu_seqlens.shape[0] - 1
     o = q.new_empty(q.shape, dtype=torch.bfloat16)
     final = q.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(q)
-    qk_rstd = q.new_empty((2, *qk.shape[:3]), dtype=torch.float32) if qk_l2norm else _no_state(q)
     if not save:
-        return o, final, qk_rstd
+        return o, final
     rows = max_chunks(T, N)
     token = lambda width: q.new_empty((1, T, H, width), dtype=torch.bfloat16)  # noqa: E731
     shapes = {"gamma": q.new_empty((rows, H, HEAD_DIM), dtype=torch.float32),
               "tape": q.new_empty((rows, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32),
               "aqk": token(CHUNK), "akk_inv": token(CHUNK)}
-    return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED), qk_rstd)
+    return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED))
 
 
 # The ops' gate arguments (last, with defaults): A_log [H] and dt_bias [H, 128] fp32 (contiguous), gate_kind
 # (kda.GATE_RAW: g is the log decay; GATE_SOFTPLUS, GATE_SIGMOID: g is the raw gate, activated in the
 # kernels) and lower_bound (GATE_SIGMOID). The backward ops return dA_log and ddt_bias after the six
 # gradients ([0] without the activation).
-# qk_l2norm (the forward ops' argument after the gate's): use_qk_l2norm_in_kernel inside kda_fwd_chunk and
-# kda_bwd_gate, q and k raw; the forward ops return qk_rstd last, which the backward ops take after the gate's.
 # beta_kind (last; kda.BETA_KINDS): BETA_PLAIN: beta is beta (bf16); BETA_SIGMOID, BETA_SIGMOID_2: beta is the
 # logits (bf16 or fp32), activated in the kernels, and dbeta their gradient in their dtype.
 
@@ -153,16 +143,16 @@ def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save, qk=Non
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, output_final_state: bool, A_log: Optional[Tensor] = None,
                      dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                     qk_l2norm: bool = False, beta_kind: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """(o, final_state or [0], qk_rstd or [0]); the backward replays the forward kernels from the inputs."""
+                     beta_kind: int = 0) -> tuple[Tensor, Tensor]:
+    """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, False,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm, beta_kind)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), beta_kind)
 
 
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, qk_l2norm=False, beta_kind=0):
-    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, False, q, qk_l2norm)
+      gate_kind=0, lower_bound=0.0, beta_kind=0):
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, False)
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
@@ -170,19 +160,18 @@ def chunk_kda_fwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            initial_state: Optional[Tensor], cu_seqlens: Tensor, scale: float,
                            output_final_state: bool, A_log: Optional[Tensor] = None,
                            dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                           qk_l2norm: bool = False, beta_kind: int = 0
+                           beta_kind: int = 0
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                      Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, final_state or [0], *the saved context in SAVED order, qk_rstd or [0]) for the saved-context
-    backward."""
+                                      Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final_state or [0], *the saved context in SAVED order) for the saved-context backward."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, True,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), qk_l2norm, beta_kind)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), beta_kind)
 
 
 @chunk_kda_fwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, qk_l2norm=False, beta_kind=0):
-    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, True, q, qk_l2norm)
+      gate_kind=0, lower_bound=0.0, beta_kind=0):
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, True)
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -195,14 +184,6 @@ def _backward_result(q, beta, tables, grads, decay, dfinal_state):
         dh0 = tables.document_rows(dh0 * decay, dfinal_state)
     da_log, ddt_bias = kda_backward.gate_parameter_grads(*gate_grads) if gate_grads else (_no_state(q), _no_state(q))
     return dq, dk, dv, dg, dbeta.to(beta.dtype), dh0, da_log, ddt_bias
-
-
-def _qk_norm_of(qk_rstd: Optional[Tensor]):
-    """The forward's kda.QkL2Norm from its qk_rstd output (None, or [0]: q, k were not normalised in the kernels)."""
-    if qk_rstd is None or qk_rstd.numel() == 0 and qk_rstd.dim() == 1:
-        return None
-    qk_rstd = qk_rstd.contiguous()
-    return kda.QkL2Norm(qk_rstd[0], qk_rstd[1], L2NORM_EPS)
 
 
 def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state, gate):
@@ -229,11 +210,10 @@ def _zero_gate_grads(q, gate):
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor],
                      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                     lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None, beta_kind: int = 0
+                     lower_bound: float = 0.0, beta_kind: int = 0
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
-    d_initial_state or [0], dA_log or [0], ddt_bias or [0]). qk_rstd: the forward's (q, k normalised in the
-    kernels; dq, dk then raw q's and k's)."""
+    d_initial_state or [0], dA_log or [0], ddt_bias or [0])."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
     gate = _gate_of(A_log, dt_bias, gate_kind, lower_bound)
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
@@ -241,7 +221,7 @@ def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
         return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
     h0, decay = _entering(h0, g, tables, gate)
     grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate,
-                                         _qk_norm_of(qk_rstd), beta_kind)
+                                         beta_kind=beta_kind)
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
@@ -259,7 +239,7 @@ def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
 
 @chunk_kda_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, qk_rstd=None, beta_kind=0):
+      gate_kind=0, lower_bound=0.0, beta_kind=0):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
@@ -269,7 +249,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            w: Tensor, u: Tensor, qg: Tensor, kg: Tensor, aqk: Tensor, gamma: Tensor,
                            akk_inv: Tensor, tape: Tensor, vnew: Tensor, do: Tensor, dfinal_state: Optional[Tensor],
                            A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                           lower_bound: float = 0.0, qk_rstd: Optional[Tensor] = None, beta_kind: int = 0
+                           lower_bound: float = 0.0, beta_kind: int = 0
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Saved-context backward over chunk_kda_fwd_saved's context: bitwise the replay's gradients."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
@@ -281,8 +261,7 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     context = dict(zip(SAVED, (w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew)))
     saved = {name: x[:C] if name in _PER_CHUNK_SAVED else x for name, x in context.items()}
     saved.update(q=q, k=k, v=v, g=g, beta=beta, chunks=tables.chunks, seg_chunks=tables.seg_chunks,
-                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate, qk_norm=_qk_norm_of(qk_rstd),
-                 beta_kind=beta_kind)
+                 chain_lengths=tables.chain_lengths, scale=scale, gate=gate, beta_kind=beta_kind)
     grads = kda_backward.chunk_kda_bwd(saved, do, tables.segment_rows(dht), release=True)
     decay = None if h0 is None else _entering_decay(g, tables, gate)
     return _backward_result(q, beta, tables, grads, decay, dht)
@@ -290,34 +269,30 @@ def chunk_kda_bwd_saved_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 @chunk_kda_bwd_saved_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gamma, akk_inv, tape, vnew, do,
-      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0, qk_rstd=None, beta_kind=0):
+      dfinal_state, A_log=None, dt_bias=None, gate_kind=0, lower_bound=0.0, beta_kind=0):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
 # ----------------------------------------------------------------------------------- autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound = inputs[:13]
-    beta_kind = inputs[14]  # after qk_l2norm (inputs[13]), which the backward reads off qk_rstd
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound, beta_kind = inputs
     ctx.scale, ctx.gate_kind, ctx.lower_bound, ctx.beta_kind = scale, gate_kind, lower_bound, beta_kind
     ctx.has_initial_state = initial_state is not None
-    ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context, qk_rstd) get no zero gradient
-    # raw q, k and qk_rstd (the last output) with qk_l2norm: the backward normalises in the kernels again
+    ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *output[2:])
     ctx.mark_non_differentiable(*output[2:])
 
 
 def _backward(ctx, do, dfinal_state, *_):
-    q, k, v, g, beta, h0, cu_seqlens, A_log, dt_bias, *context, qk_rstd = ctx.saved_tensors
+    q, k, v, g, beta, h0, cu_seqlens, A_log, dt_bias, *context = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
     gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
-    # keywords only where the call needs them: the forward's rstd (qk_l2norm), beta's activation
-    kwargs = {"qk_rstd": qk_rstd} if qk_rstd.dim() > 1 else {}
-    if ctx.beta_kind != kda.BETA_PLAIN:
-        kwargs["beta_kind"] = ctx.beta_kind
+    # a keyword only where the call needs it: beta's activation
+    kwargs = {"beta_kind": ctx.beta_kind} if ctx.beta_kind != kda.BETA_PLAIN else {}
     if context:
         grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate,
                                        **kwargs)
@@ -327,7 +302,7 @@ def _backward(ctx, do, dfinal_state, *_):
     gated = ctx.gate_kind != kda.GATE_RAW
     return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
             da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
-            None, None, None, None)  # gate_kind, lower_bound, qk_l2norm, beta_kind
+            None, None, None)  # gate_kind, lower_bound, beta_kind
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -11,7 +11,6 @@ import torch
 
 from . import execute, fit, kda
 from .. import options
-from ..ops.norm import l2norm_backward
 from ..reference.kda import sum_value_head_groups
 from .._runtime import registry
 from .._runtime.packing import CHUNK
@@ -103,7 +102,7 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
                                              "dgam_s")})
     t.update(dq=torch.empty_like(v), dk=torch.empty_like(v), dg=torch.empty_like(saved["g"]), scale=saved["scale"],
-             qk_norm=saved.get("qk_norm"), beta_kind=saved.get("beta_kind", kda.BETA_PLAIN))
+             beta_kind=saved.get("beta_kind", kda.BETA_PLAIN))
     gate = saved.get("gate")
     if gate is not None:  # each chunk's parts of the gate parameters' gradients, summed after in a fixed order
         C = saved["chunks"].shape[0]
@@ -118,15 +117,14 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
 
 def _launch_gate(t: dict, gate_form: str):
     desc = {name: kda.describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
-    kda._launch_qk(registry.library("kda_bwd_gate", gate_form), desc, t["scale"], kda.stream_of(t["q"]), t.get("gate"),
-                   t.get("qk_norm"), True, beta_kind=t["beta_kind"])
+    kda.launch_gated(registry.library("kda_bwd_gate", gate_form), desc, t["scale"], kda.stream_of(t["q"]),
+                     t.get("gate"), t["beta_kind"])
 
 
 def _gate_result(t: dict, dv, dh0) -> tuple:
     """(dq, dk, dv, dg, dbeta [1, T, H] fp32, d_initial_state) once kda_bwd_gate has run, and with the
     gate's activation (dg: the raw gate's) the per-chunk parts of dA_log [C, H, 2] and ddt_bias [C, H, 128]
-    after them (gate_parameter_grads sums them). With the q, k norm in the programs (t["qk_norm"]) dq and dk are
-    taken through it here (l2norm_bwd on the summed gradients of q_n, k_n: the separate norm op's backward). With
+    after them (gate_parameter_grads sums them). With
     beta's activation dbeta is the logits' gradient: the chain factor is taken here, where dbeta's parts are
     summed, the same for every gate form and both modes."""
     heads = t["q"].shape[2]
@@ -134,9 +132,6 @@ def _gate_result(t: dict, dv, dh0) -> tuple:
     if t["beta_kind"] != kda.BETA_PLAIN:
         dbeta = kda.beta_logits_grad(dbeta, t["beta"], t["beta_kind"])
     dq, dk = sum_value_head_groups(t["dq"], heads), sum_value_head_groups(t["dk"], heads)
-    qk_norm = t.get("qk_norm")
-    if qk_norm is not None:
-        dq, dk = l2norm_backward(t["q"], qk_norm.q_rstd, dq), l2norm_backward(t["k"], qk_norm.k_rstd, dk)
     grads = (dq, dk, dv, t["dg"], dbeta.view(dv.shape[:3]), dh0)
     if t.get("gate") is None:
         return grads
@@ -305,24 +300,23 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     return saved, walk
 
 
-def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, qk_norm=None, beta_kind=kda.BETA_PLAIN):
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage unless Options.pipeline is off), then the chunk-parallel backward. Bitwise the same
-    as the saved-context backward. qk_norm: the forward's QkL2Norm (its rstd read, not written again)."""
-    qk_norm = None if qk_norm is None else qk_norm.read_only()
+    as the saved-context backward."""
     if kda._pipeline_on():
         saved, walk = replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate,
-                                             qk_norm=qk_norm, beta_kind=beta_kind)
+                                             beta_kind=beta_kind)
     else:
         prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                         save_tape=True, gate=gate, qk_norm=qk_norm, beta_kind=beta_kind)
+                                         save_tape=True, gate=gate, beta_kind=beta_kind)
         saved, walk = replay_walks(prepared, h0, do, dht)
         del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
 def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
-                            gate=None, qk_norm=None, beta_kind=kda.BETA_PLAIN):
+                            gate=None, beta_kind=kda.BETA_PLAIN):
     """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
     planned on half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (The chunk-parallel
@@ -335,7 +329,7 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     through the pieces from the front, its backward walk from the back, each piece from its neighbour's
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
     chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md)."""
-    prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate, qk_norm=qk_norm,
+    prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate,
                                         beta_kind=beta_kind)
     _check_dout(do, v)
     do = do.contiguous()  # once, not per group
@@ -352,19 +346,17 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
 
 
-def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, qk_norm=None,
-                    beta_kind=kda.BETA_PLAIN):
+def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs). With
     gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
     (_gate_result). With grouped value heads a head group is whole q, k heads, each with its value heads.
-    qk_norm: the forward's kda.QkL2Norm (q, k raw; dq, dk come back through the norm). beta_kind
-    (kda.BETA_KINDS): beta is the logits and dbeta their gradient."""
+    beta_kind (kda.BETA_KINDS): beta is the logits and dbeta their gradient."""
     T, H = v.shape[1], v.shape[2]
     G = H // q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
     groups = [(a * G, b * G) for a, b in _replay_groups(T, q.shape[2], G, tables.chunks.shape[0], q.device)]
     if len(groups) == 1:
-        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate, qk_norm, beta_kind)
+        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate, beta_kind)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
              None if h0 is None and dht is None else
@@ -379,7 +371,7 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None,
         qk = lambda x: x[:, :, a // G:b // G].contiguous()  # noqa: E731
         got = _replay_step(qk(q), qk(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
                            cu_seqlens, scale, part(do), state(dht), None if gate is None else gate.heads(a, b),
-                           None if qk_norm is None else qk_norm.heads(a // G, b // G), beta_kind)
+                           beta_kind)
         for full, x in zip(grads[:2], got[:2]):
             full[:, :, a // G:b // G].copy_(x)
         for full, x in zip(grads[2:5], got[2:5]):

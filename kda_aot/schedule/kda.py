@@ -81,41 +81,14 @@ def beta_launch_args(kind: int) -> dict:
     return {} if kind == BETA_PLAIN else {"beta_kind": kind}
 
 
-@dataclass(frozen=True)
-class QkL2Norm:
-    """chunk_kda's use_qk_l2norm_in_kernel inside kda_fwd_chunk and kda_bwd_gate (templates/common/kda.h
-    qk_l2norm): q and k stay raw in memory, each row normalised in shared memory (bitwise l2norm_fwd's q_n, k_n),
-    and the forward's rstd [1, T, Hqk] fp32 of each is kept for kda_bwd_gate and the chain rule (l2norm_bwd).
-    write: kda_fwd_chunk writes q_rstd, k_rstd (the forward); the replay's recompute reads them in the gate only."""
-    q_rstd: torch.Tensor
-    k_rstd: torch.Tensor
-    eps: float
-    write: bool = False
-
-    def heads(self, a: int, b: int) -> "QkL2Norm":
-        """The norm of q, k heads [a, b) (the replay's head groups), read only."""
-        return QkL2Norm(self.q_rstd[:, :, a:b].contiguous(), self.k_rstd[:, :, a:b].contiguous(), self.eps)
-
-    def read_only(self) -> "QkL2Norm":
-        return QkL2Norm(self.q_rstd, self.k_rstd, self.eps)
-
-    def descriptors(self) -> dict:
-        return {"q_rstd": describe(self.q_rstd, "q_rstd"), "k_rstd": describe(self.k_rstd, "k_rstd")}
-
-
-def _launch_qk(library, desc: dict, scale: float, stream, gate: Optional[GateActivation],
-               qk_norm: Optional[QkL2Norm], rstd: bool, *norm_args, beta_kind: int = BETA_PLAIN):
-    """A launch of kda_fwd_chunk or kda_bwd_gate (the programs that read q, k, g and beta) with the gate's
-    activation and the q, k norm where given (positional: gate_kind, lower_bound, qk_l2norm, then norm_args) and
-    beta's activation (beta_launch_args: a keyword, only with it); rstd: the norm's rstd tensors go with it."""
+def launch_gated(library, desc: dict, scale: float, stream, gate: Optional[GateActivation],
+                 beta_kind: int = BETA_PLAIN):
+    """A launch of kda_fwd_chunk or kda_bwd_gate (the programs that read g and beta) with the gate's activation
+    where given (positional: gate_kind, lower_bound) and beta's (beta_launch_args: a keyword, only with it)."""
     args = ()
     if gate is not None:
         desc = {**desc, **gate.descriptors()}
         args = (gate.kind, gate.lower_bound)
-    if qk_norm is not None:
-        if rstd:
-            desc = {**desc, **qk_norm.descriptors()}
-        args = (args or (GATE_RAW, 0.0)) + (True, *norm_args)
     library.launch(desc, scale, stream, *args, **beta_launch_args(beta_kind))
 
 
@@ -251,23 +224,22 @@ def _pick_form(what: str, form, forms: tuple) -> str:
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      qk_norm=None, beta_kind=BETA_PLAIN):
+                      beta_kind=BETA_PLAIN):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    qk_norm: a QkL2Norm (q, k raw, normalised in the programs); beta_kind: one of BETA_KINDS."""
+    beta_kind: one of BETA_KINDS."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             qk_norm=qk_norm, beta_kind=beta_kind)
+                             beta_kind=beta_kind)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
-                         gate: Optional[GateActivation] = None, qk_norm: Optional[QkL2Norm] = None,
-                         beta_kind: int = BETA_PLAIN) -> dict:
+                         gate: Optional[GateActivation] = None, beta_kind: int = BETA_PLAIN) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
-    preallocated gamma; gate: the gate's activation (g the raw gate), qk_norm: the q, k norm in the programs
-    (QkL2Norm), beta_kind: beta's activation (beta the logits), all kept for the backward."""
+    preallocated gamma; gate: the gate's activation (g the raw gate), beta_kind: beta's activation (beta the
+    logits), both kept for the backward."""
     if beta_kind not in BETA_KINDS:
         raise ValueError(f"beta_kind: expected 0, 1 (sigmoid) or 2 (2 sigmoid), got {beta_kind}")
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
@@ -286,7 +258,6 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
-        "qk_norm": qk_norm,
         "beta_kind": beta_kind,
     }
 
@@ -298,10 +269,8 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    qk_norm = t.get("qk_norm")
-    _launch_qk(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t.get("gate"), qk_norm,
-               qk_norm is not None and qk_norm.write, qk_norm.eps if qk_norm is not None else 0.0,
-               beta_kind=t.get("beta_kind", BETA_PLAIN))
+    launch_gated(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t.get("gate"),
+                 t.get("beta_kind", BETA_PLAIN))
 
 
 def _walk_outputs(v, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
@@ -342,7 +311,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None, qk_norm=None,
+                  save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None,
                   beta_kind=BETA_PLAIN):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
@@ -352,11 +321,10 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
-    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay). qk_norm: a QkL2Norm (q, k
-    raw; the chunk stage normalises them and, with write, keeps their rstd). beta_kind: one of BETA_KINDS (beta
-    the logits with BETA_SIGMOID, BETA_SIGMOID_2)."""
+    gate: a GateActivation (g the raw gate; the chunk stage forms the log decay). beta_kind: one of BETA_KINDS
+    (beta the logits with BETA_SIGMOID, BETA_SIGMOID_2)."""
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate,
-                                    qk_norm, beta_kind)
+                                    beta_kind)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.

@@ -82,13 +82,6 @@ struct KdaFwdArgs {
   float* tape;                  // [n_chunks, H, 128, 128] fp32 state at each chunk start, or null
   uint16_t* vnew;               // [T, H, 128] bf16 V' = U - W S, or null (both kept for the saved backward)
   KdaGate gate;                 // kda_fwd_chunk: how g becomes the log decay
-  // chunk_kda's use_qk_l2norm_in_kernel (kda_fwd_chunk): q and k are the raw ones, each row normalised in shared
-  // memory after the load as l2norm_fwd does (common/l2norm.cuh, bitwise its q_n, k_n); its rstd written where
-  // given (the forward: the backward reads it; the replay's recompute passes null)
-  int qk_l2norm;
-  float qk_l2norm_eps;
-  float* q_rstd;                // [T, qk_heads] fp32 1 / sqrt(sum q^2 + eps), or null
-  float* k_rstd;                // [T, qk_heads] fp32, or null
   KdaBeta beta_act;             // kda_fwd_chunk: how beta is formed from what the beta tensor holds
 };
 
@@ -151,12 +144,6 @@ struct KdaBwdArgs {
   int64_t T, N, H, n_chunks;
   int64_t qk_heads, qk_group;    // as KdaFwdArgs
   float scale;
-  // use_qk_l2norm_in_kernel (kda_bwd_gate): q and k are the raw ones, normalised in shared memory with the
-  // forward's rstd (bitwise the forward's q_n, k_n); dq, dk are then the gradients of q_n, k_n (the caller's
-  // l2norm_bwd takes them through the norm)
-  int qk_l2norm;
-  const float* q_rstd;           // [T, qk_heads] fp32 (kda_fwd_chunk's)
-  const float* k_rstd;           // [T, qk_heads] fp32
 };
 
 }  // namespace kda

@@ -42,7 +42,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
                                  "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk",
                                  "dg", "dbeta", "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
-                                 "da_log_part", "q_rstd", "k_rstd"};
+                                 "da_log_part"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -151,8 +151,6 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"gate_dt_bias", kFloat32, {H, kHeadDim}, "[H, 128]"},
       {"ddt_bias_part", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
       {"da_log_part", kFloat32, {C, H, 2}, "[n_chunks, H, 2]"},
-      {"q_rstd", kFloat32, {1, T, Hqk}, "[1, T, Hqk] (as q, without its head dim)"},
-      {"k_rstd", kFloat32, {1, T, Hqk}, "[1, T, Hqk] (as q, without its head dim)"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -176,7 +174,6 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                         std::string(sp.name) == "daqk_diag" || std::string(sp.name) == "aqk_diag_lo" ||
                         std::string(sp.name) == "gate_a_log" ||
                         std::string(sp.name) == "gate_dt_bias" || std::string(sp.name) == "da_log_part" ||
-                        std::string(sp.name) == "q_rstd" || std::string(sp.name) == "k_rstd" ||
                         std::string(sp.name) == "seg_chunks";
     expect_aligned(it->second, scalar ? dtype_size(it->second.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
@@ -213,20 +210,6 @@ inline KdaGate gate_args(const KdaTensors& k, int kind, double lower_bound, cons
   return gate;
 }
 
-// use_qk_l2norm_in_kernel (KdaFwdArgs / KdaBwdArgs qk_l2norm): q and k must be given, and q_rstd with k_rstd,
-// both or neither (rstd_needed: both); without the flag neither rstd.
-inline void check_qk_l2norm(const KdaTensors& k, bool qk_l2norm, bool rstd_needed, const char* what) {
-  const bool q_rstd = k.ptr("q_rstd") != 0, k_rstd = k.ptr("k_rstd") != 0;
-  if (!qk_l2norm) {
-    if (q_rstd || k_rstd) fail_value(std::string(what) + ": q_rstd / k_rstd given without qk_l2norm");
-    return;
-  }
-  if (!k.ptr("q") || !k.ptr("k")) fail_type(std::string(what) + ": qk_l2norm normalises q and k: both are required");
-  if (q_rstd != k_rstd) fail_type(std::string(what) + ": q_rstd and k_rstd go together (both or neither)");
-  if (rstd_needed && !q_rstd)
-    fail_type(std::string(what) + ": qk_l2norm needs q_rstd and k_rstd (the forward's, from kda_fwd_chunk)");
-}
-
 // beta's activation (KdaBeta): its kind from the caller; fp32 logits (check_kda_tensors let them through only
 // with kind 1, 2) are read through logits_f32 and the bf16 pointer is then null.
 inline KdaBeta beta_args(const KdaTensors& k, int kind, const char* what) {
@@ -249,23 +232,14 @@ inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const 
   check_launch(code, err, what);
 }
 
-// qk_l2norm, qk_l2norm_eps: use_qk_l2norm_in_kernel (KdaFwdArgs), for a program that reads q and k.
 inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what,
-                           int gate_kind = kGateRaw, double lower_bound = 0.0, bool qk_l2norm = false,
-                           double qk_l2norm_eps = 0.0, int beta_kind = kBetaPlain) {
+                           int gate_kind = kGateRaw, double lower_bound = 0.0, int beta_kind = kBetaPlain) {
   // the walk's output stage adds back Aqk's diagonal rounding error (kda_fwd_chunk's aqk_diag_lo)
   const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind,
                                          needs(need, "aqk") ? "aqk_diag_lo" : nullptr, beta_kind);
   KdaFwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
-  check_qk_l2norm(k, qk_l2norm, false, what);
-  if (qk_l2norm && !(qk_l2norm_eps > 0.0))
-    fail_value(std::string(what) + ": qk_l2norm_eps must be > 0, got " + std::to_string(qk_l2norm_eps));
-  a.qk_l2norm = qk_l2norm ? 1 : 0;
-  a.qk_l2norm_eps = static_cast<float>(qk_l2norm_eps);
-  a.q_rstd = reinterpret_cast<float*>(k.ptr("q_rstd"));
-  a.k_rstd = reinterpret_cast<float*>(k.ptr("k_rstd"));
   a.beta_act = beta_args(k, beta_kind, what);
   a.q = reinterpret_cast<const uint16_t*>(k.ptr("q"));
   a.k = reinterpret_cast<const uint16_t*>(k.ptr("k"));
@@ -299,19 +273,14 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
 }
 
 // need_one: tensors of which at least one must be given (outputs of which a call may leave some out).
-// qk_l2norm: use_qk_l2norm_in_kernel (KdaBwdArgs), for a program that reads q and k.
 inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
                            int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what,
                            const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
-                           double lower_bound = 0.0, bool qk_l2norm = false, int beta_kind = kBetaPlain) {
+                           double lower_bound = 0.0, int beta_kind = kBetaPlain) {
   const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind, nullptr, beta_kind);
   KdaBwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
   a.beta_act = beta_args(k, beta_kind, what);
-  check_qk_l2norm(k, qk_l2norm, true, what);
-  a.qk_l2norm = qk_l2norm ? 1 : 0;
-  a.q_rstd = reinterpret_cast<const float*>(k.ptr("q_rstd"));
-  a.k_rstd = reinterpret_cast<const float*>(k.ptr("k_rstd"));
   if (k.ptr("dg") && k.bf16("dg") != (a.gate.raw_bf16 != nullptr))
     fail_type(std::string(what) + ": dg must have g's dtype (bfloat16 only for a bfloat16 raw gate)");
   if (gate_kind != kGateRaw && !(k.ptr("ddt_bias_part") && k.ptr("da_log_part")))

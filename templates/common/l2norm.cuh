@@ -17,9 +17,7 @@ __device__ __forceinline__ float half_warp_sum(float x) {
   return x;
 }
 
-// The one definition of the norm, shared by l2norm_fwd and the programs that normalise q and k in
-// shared memory (kda_fwd_chunk, kda_bwd_gate: chunk_kda's use_qk_l2norm_in_kernel), so that their
-// normalised rows are bitwise the same. A row is held by the 16 lanes of a half-warp, lane l owning
+// The norm of one row. A row is held by the 16 lanes of a half-warp, lane l owning
 // channels 8 l .. 8 l + 7 in f; every lane of the warp must call it (shuffles). Returns the row's
 // rstd = 1 / sqrt(sum x^2 + eps): per lane an fma chain over its 8 channels in order, then the
 // half-warp butterfly; each operation an _rn intrinsic, so that no unit contracts or reorders it.
@@ -32,7 +30,7 @@ __device__ __forceinline__ float l2norm_row_rstd(const float (&f)[8], float eps)
 }
 
 // A normalised element before its bf16 rounding (round to nearest even, pack_bf16): x rstd, one
-// rounding in fp32. kda_bwd_gate applies it with the forward's stored rstd.
+// rounding in fp32.
 __device__ __forceinline__ float l2norm_scaled(float x, float rstd) { return __fmul_rn(x, rstd); }
 
 // Eight bf16 (a 16-byte piece of a row) normalised with their row's rstd: l2norm_scaled, then
@@ -47,33 +45,6 @@ __device__ __forceinline__ uint4 l2norm_scaled_8(uint4 v, float rstd) {
                     pack_bf16(l2norm_scaled(f[2], rstd), l2norm_scaled(f[3], rstd)),
                     pack_bf16(l2norm_scaled(f[4], rstd), l2norm_scaled(f[5], rstd)),
                     pack_bf16(l2norm_scaled(f[6], rstd), l2norm_scaled(f[7], rstd)));
-}
-
-// Normalise rows of 128 bf16 in place in shared memory, by the threads [0, n_threads) (whole warps):
-// half-warp after half-warp takes a row (rows(i): the row's first element, i < n_rows) and writes
-// its rstd through on_rstd(i, rstd) (one lane).
-template <typename Rows, typename OnRstd>
-__device__ __forceinline__ void l2norm_rows_in_place(Rows&& rows, int n_rows, float eps, int tid, int n_threads,
-                                                     OnRstd&& on_rstd) {
-  const int lane = tid % kL2NormLanes, half_warp = tid / kL2NormLanes, half_warps = n_threads / kL2NormLanes;
-  // uniform trip count per warp: both half-warps take part in every shuffle; unrolled so that several rows'
-  // shuffle chains are in flight at once
-#pragma unroll 4
-  for (int base = 0; base < n_rows; base += half_warps) {
-    const int i0 = base + half_warp;
-    const int i = i0 < n_rows ? i0 : n_rows - 1;  // a half-warp past the end reads the last row, writes nothing
-    __nv_bfloat16* row = rows(i) + 8 * lane;
-    const uint4 v = *reinterpret_cast<const uint4*>(row);
-    float f[8];
-    unpack_bf16(v.x, f[0], f[1]);
-    unpack_bf16(v.y, f[2], f[3]);
-    unpack_bf16(v.z, f[4], f[5]);
-    unpack_bf16(v.w, f[6], f[7]);
-    const float rstd = l2norm_row_rstd(f, eps);
-    if (i0 >= n_rows) continue;
-    *reinterpret_cast<uint4*>(row) = l2norm_scaled_8(v, rstd);
-    if (lane == 0) on_rstd(i, rstd);
-  }
 }
 
 // CTAs for `rows` rows: one row group per half-warp, capped (the kernels grid-stride beyond it).
