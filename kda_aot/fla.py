@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from fla.backends import BaseBackend, register
-from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+try:
+    from fla.backends import BaseBackend, register
+    from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+except ImportError as e:  # FLA absent, or one without the backend dispatch (before 0.6.0)
+    raise ImportError(f"kda_aot.fla registers kda_aot with flash-linear-attention's backend dispatch, which it "
+                      f"could not import ({e}): it needs fla-core 0.6.0 (pip install fla-core==0.6.0)") from e
 
 from ._runtime import registry
 from .ops.chunk_kda import chunk_kda

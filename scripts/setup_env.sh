@@ -11,7 +11,8 @@ def numbers(version):
     return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
 for dist, floor, requirement in (("torch", "", "torch==2.13.0"), ("jinja2", "3.1", "jinja2>=3.1"),
                                  ("pybind11", "2.12", "pybind11>=2.12"), ("pytest", "8", "pytest>=8"),
-                                 ("setuptools", "68", "setuptools>=68"), ("wheel", "", "wheel")):
+                                 ("setuptools", "68", "setuptools>=68"), ("wheel", "", "wheel"),
+                                 ("numpy", "", "numpy")):  # numpy: torch warns on every import without it
     try:
         if numbers(importlib.metadata.version(dist)) >= numbers(floor):
             continue

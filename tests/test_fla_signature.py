@@ -184,7 +184,8 @@ def test_unserved_arguments_raise(reference_op):
              (dict(allow_neg_eigval=True), ValueError, "allow_neg_eigval: needs use_beta_sigmoid_in_kernel"),
              (dict(A_log=x["A_log"]), ValueError, "A_log: only used with use_gate_in_kernel"),
              (dict(use_gate_in_kernel=True), ValueError, "A_log: required with use_gate_in_kernel"),
-             (dict(use_gate_in_kernel=True, A_log=x["A_log"][:1]), ValueError, r"A_log: expected 2 elements"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"][:1]), ValueError,
+              r"A_log: expected 2 elements \(\[HV\] for HV = 2\), got shape \[1\]"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"].long()), TypeError, "A_log: expected float32"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"][:5]), ValueError,
               r"dt_bias: expected 256 elements"),
@@ -210,6 +211,11 @@ def test_unserved_arguments_raise(reference_op):
                           b[:, :, :1].expand(1, 64, 3), cu_seqlens=x["cu"])
     with pytest.raises(TypeError, match="unexpected keyword"):
         kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], gate_in_kernel=True)
+    # a head dim other than 128 is named on q before the gate's shapes are checked against it
+    for args in ((q[..., :64], k[..., :64], v, g, b), (q[..., :64], k[..., :64], v[..., :64], g[..., :64], b)):
+        with pytest.raises(ValueError, match="q: head dim must be 128, got 64"):
+            kda_aot.chunk_kda(*args, cu_seqlens=x["cu"], use_gate_in_kernel=True, A_log=x["A_log"],
+                              dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True)
     assert reference_op == []  # no error reached the op
 
 

@@ -93,8 +93,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     g: the log decay (fp32; a narrower float is widened exactly), or with use_gate_in_kernel the raw
     gate, activated as -exp(A_log) * softplus(g + dt_bias), or lower_bound * sigmoid(exp(A_log) *
-    (g + dt_bias)) when lower_bound is set (A_log [HV], dt_bias [HV * K], optional with lower_bound /
-    always). beta: bf16, or with use_beta_sigmoid_in_kernel the logits b: sigmoid(b) (2 sigmoid(b) with
+    (g + dt_bias)) when lower_bound is set. A_log [HV] is required unless lower_bound is set; dt_bias
+    [HV * K] is optional (zero when not given). beta: bf16, or with use_beta_sigmoid_in_kernel the logits b: sigmoid(b) (2 sigmoid(b) with
     allow_neg_eigval). use_qk_l2norm_in_kernel: q and k L2-normalised per head first (differentiably).
     safe_gate: FLA's hint that gates are bounded (with use_gate_in_kernel it needs lower_bound in
     [-5, 0)); our kernels are exact for every g <= 0 and need no hint.
@@ -113,6 +113,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
     if not isinstance(k, torch.Tensor):
         raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):  # first: the gate's and beta's shapes are checked against them
+        if isinstance(x, torch.Tensor):
+            _check_head_dim(x, name)
     # On the GPU the kernels activate the raw gate (kernel_gate); elsewhere activate() does, in torch.
     gate_args = ()
     if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:

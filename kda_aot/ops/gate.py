@@ -41,8 +41,8 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
         if t.dtype not in _FLOATS:
             raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
         if t.numel() != numel:
-            raise ValueError(f"{name}: expected {numel} elements ({'[HV]' if name == 'A_log' else '[HV * K]'} for "
-                             f"HV = {HV}, K = {K}), got shape {list(t.shape)}")
+            spelled = f"[HV] for HV = {HV}" if name == "A_log" else f"[HV * K] for HV = {HV}, K = {K}"
+            raise ValueError(f"{name}: expected {numel} elements ({spelled}), got shape {list(t.shape)}")
         if t.device != g.device:
             raise ValueError(f"{name}: on {t.device} but g is on {g.device}")
     if lower_bound is not None:
