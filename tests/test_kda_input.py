@@ -271,7 +271,8 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
     saved = {"q": tok(), "k": tok(), "v": tok(), "g": torch.zeros(1, T, H, 128), "beta": torch.zeros(1, T, H, **bf),
              "chunks": tables.chunks, "seg_chunks": tables.seg_chunks, "chain_lengths": tables.chain_lengths,
              "w": tok(), "u": tok(), "kg": tok(), "qg": tok(), "aqk": tok(64), "akk_inv": tok(64), "vnew": tok(),
-             "gamma": torch.zeros(C, H, 128), "tape": torch.zeros(C, H, 128, 128), "scale": 0.1}
+             "gamma": torch.zeros(C, H, 128), "tape": torch.zeros(C, H, 128, 128), "scale": 0.1,
+             "gate": None, "beta_kind": 0}  # as chunk_kda_fwd's saved context holds them
     dtape, dh0 = torch.zeros(C, H, 128, 128), torch.zeros(2, H, 128, 128)
     for gate_form in ("split_staged", "full"):
         calls.clear()

@@ -75,7 +75,7 @@ def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
     t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(v),
-             beta_kind=saved.get("beta_kind", kda.BETA_PLAIN),
+             beta_kind=saved["beta_kind"],
              drk=torch.empty(1, T, H, kda.HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, kda.HEAD_DIM, **bf16),
              dkg=torch.empty(1, T, H, kda.HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
              daqk_lo=torch.empty(1, T, H, CHUNK, **bf16),
@@ -102,7 +102,7 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
                                              "dgam_s")})
     t.update(dq=torch.empty_like(v), dk=torch.empty_like(v), dg=torch.empty_like(saved["g"]), scale=saved["scale"],
-             beta_kind=saved.get("beta_kind", kda.BETA_PLAIN))
+             beta_kind=saved["beta_kind"])
     gate = saved.get("gate")
     if gate is not None:  # each chunk's parts of the gate parameters' gradients, summed after in a fixed order
         C = saved["chunks"].shape[0]

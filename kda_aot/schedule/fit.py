@@ -143,8 +143,8 @@ def measured_rho() -> dict:
             for p, v in progs.items()}
 
 
-# launches of one walk (one stream each): the split run and one full run. Q3's three (full, split, full) ran its
-# saved step 2.0-2.3 % slower than uniform full in two sessions, while Q4's two won 2.3-2.7 % (docs/fit_rule.md)
+# launches of one walk (one stream each): the split run and one full run; three ran slower than uniform full
+# on the H200 though predicted faster (docs/fit_rule.md, "Tried and did not pay")
 MAX_RUNS = 2
 MIXED_GAIN = 0.95  # a mixed plan (extra launches, a stream fork and join) must beat uniform by 5 %
 

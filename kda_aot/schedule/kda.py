@@ -269,8 +269,8 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    launch_gated(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t.get("gate"),
-                 t.get("beta_kind", BETA_PLAIN))
+    launch_gated(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t["gate"],
+                 t["beta_kind"])
 
 
 def _walk_outputs(v, N: int, C: int, out, *, save_tape: bool, want_output: bool, output_final_state: bool) -> dict:
