@@ -29,7 +29,7 @@ if [ -d build/kobj ]; then mkdir -p build/obj && cp -n build/kobj/*.o build/obj/
 KDA_AOT_TEST_RECORDS=1 python3 setup.py -q build_ext --inplace 2>&1 | tail -20 || exit 1
 stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-timeout $(cap 60) python3 -m pytest -q -rs tests/test_cp_nccl_cuda.py > "$W/pytest_cp_nccl.log" 2>&1
+timeout $(cap 120) python3 -m pytest -q -rs tests/test_cp_cuda_ranks.py > "$W/pytest_cp_nccl.log" 2>&1
 stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
 (
   export CUDA_VISIBLE_DEVICES=0

@@ -10,7 +10,7 @@
 #            the GPU tests from TESTS_FROM on (their collection index, 1-based), SINGLE_A (single
 #            benchmark, auto and full, FLA interleaved), H64=1: Q1 at H = 64 (H64_ARGS, e.g. --no-fla);
 #     GPU 1: SINGLE_B, CP1=1: the CP1 benchmark (contiguous, every pack; CP1_ARGS, e.g. --no-fla).
-# NCCL_TESTS=1: tests/test_cp_nccl_cuda.py first (both GPUs).
+# NCCL_TESTS=1: tests/test_cp_cuda_ranks.py first (both GPUs).
 # EXTRA_A / EXTRA_B: a shell command run first on GPU 0 / GPU 1 (e.g. "python3 bench/walk_sweep.py"; SAN=1:
 # compute-sanitizer memcheck + racecheck of bench/sanitize_kda.py on GPU 1 first, test-only forms built).
 # Defaults: CP2_PACKS=all CP2_S=340 H64_S=150 SINGLE_B=Q2,Q3,Q4,Q5,Q6 CP1=1 H64=1; SINGLE_A, TESTS_FROM unset;
@@ -39,7 +39,7 @@ stamp build
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$W/cp" "$W/single" "$W/h64"
 if [ "${NCCL_TESTS-}" = 1 ]; then  # the CP tests over NCCL with the CUDA backend (both GPUs, ~15 s)
-  timeout $(cap 90) python3 -m pytest -q -rs tests/test_cp_nccl_cuda.py > "$W/pytest_cp_nccl.log" 2>&1
+  timeout $(cap 90) python3 -m pytest -q -rs tests/test_cp_cuda_ranks.py > "$W/pytest_cp_nccl.log" 2>&1
   stamp "cp nccl tests: $(tail -1 "$W/pytest_cp_nccl.log")"
 fi
 if [ -n "$CP2_PACKS" ]; then

@@ -34,7 +34,7 @@ class Options:
     replay_overlap: bool = True
     # at most this many heads per replay-backward group (0: as many as memory holds)
     max_heads: int = 0
-    # context parallelism: the pipelined orders, the summaries batched (test_cp_nccl_cuda.py)
+    # context parallelism: the pipelined orders, the summaries batched (test_cp_cuda_ranks.py)
     cp_pipeline: bool = True
     cp_batched_summaries: bool = True
     # context parallelism, not yet measured on two GPUs: the exchange beside the walks, and the

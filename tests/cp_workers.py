@@ -27,7 +27,9 @@ def run_job(world_size: int, cases: list, workdir: str, timeout_s: float,
             collective_timeout_s: float = 60.0, device: str = "cpu") -> list:
     """Spawn `world_size` ranks (FileStore: no network port) that run `cases`; return the
     per-rank result lists. device "cpu": gloo; "cuda": NCCL, rank r on GPU r, inputs moved
-    there and results moved back. Raises if the job does not finish within timeout_s (the
+    there and results moved back; "cuda-shared": every rank on GPU 0, gloo between them (NCCL
+    refuses two ranks on one GPU) with the package's one collective staged through host memory
+    (_staged_gather). Raises if the job does not finish within timeout_s (the
     processes are then killed: a hang fails the test instead of blocking CI)."""
     os.makedirs(workdir, exist_ok=True)
     cases_path = os.path.join(workdir, "cases.pt")
@@ -63,12 +65,26 @@ def _to(obj, device):
     return obj
 
 
+def _staged_gather(gather_flat):
+    """kda_aot.cp.exchange.gather_flat through host memory: every collective of the package is this one
+    all_gather, and gloo's support of CUDA tensors in it depends on the torch build. What the kernels
+    compute is unchanged; only the transport between the ranks differs from NCCL's."""
+    def staged(mine, world, group):
+        return gather_flat(mine.cpu(), world, group).to(mine.device)
+    return staged
+
+
 def _worker(rank, world_size, store, cases_path, workdir, collective_timeout_s, device="cpu"):
     torch.set_num_threads(1)     # W processes share a couple of cores
     nccl = device == "cuda"
     if nccl:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
+    elif device == "cuda-shared":
+        from kda_aot.cp import exchange
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        exchange.gather_flat = _staged_gather(exchange.gather_flat)
     dist.init_process_group("nccl" if nccl else "gloo",
                             store=dist.FileStore(store, world_size), rank=rank,
                             world_size=world_size,

@@ -1,11 +1,16 @@
-"""Context parallelism over NCCL on 2 GPUs with the CUDA backend (the kernels), head dim 128.
+"""Context parallelism over two ranks with the CUDA backend (the kernels), head dim 128: over NCCL
+with a GPU per rank when two GPUs are present, else both ranks on one GPU with gloo between them
+(cp_workers "cuda-shared": the kernels run as under NCCL, only the transport of the one all_gather
+differs).
 
 Every layout, both backward modes, packs with a document spanning both ranks (cut inside a
 chunk), documents shorter than a chunk and one longer than a rank's share. CP outputs and
 gradients are compared with the fp64 reference on the same (bf16-valued) inputs: relative RMS
 error < 1e-2, the kernels' bf16 budget (test_kda_fwd_gpu); the fp32 summaries add rounding far
-below it (test_cp_gloo: < 1e-4). Saved and replay are bitwise equal on every rank. Skipped
-without 2 GPUs.
+below it (test_cp_gloo: < 1e-4). Saved and replay are bitwise equal on every rank. Issue 21's
+strong gates (constant -12 and -30, uniform in [-60, 0], resets g = -inf) under every layout, with beta
+in [0, 2) and initial states: finite, and within the single-GPU bounds of tests/test_kda_numerics_gpu.py.
+Skipped without a GPU.
 """
 from __future__ import annotations
 
@@ -21,12 +26,20 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
 import test_cp_gloo as G  # noqa: E402
+from bench.numerics import gate as numerics_gate  # noqa: E402
 from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 W, H, K = 2, 2, 128
+TRANSPORT = "cuda" if torch.cuda.device_count() >= 2 else "cuda-shared"  # cp_workers.run_job's device
 REL = 1e-2
+# Strong gates (bench.numerics.gate; beta in [0, 2), initial states): the single-GPU bounds of
+# tests/test_kda_numerics_gpu.py (dbeta 5e-2: heavy-tailed where its terms cancel). Below the kernels'
+# gate floor (-20) dg is zero (the floor's derivative) and the truth ~e^g: not bounded, checked zero.
+STRONG_GATES = ("const-12", "const-30", "unif-60", "ninf")
+STRONG_PACKS = ("mixed", "spans")
+STRONG_BOUND = {"dbeta": 5e-2}
 PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100],
          "long": [9000, 300, 4200]}  # T % 4 == 0 (zigzag); "long": fragments of > 32 chunks (summary pieces)
 PER_FRAGMENT = {"cp_batched_summaries": False}  # Options; the default is batched
@@ -35,7 +48,9 @@ _JOB = {}
 
 
 @functools.lru_cache(maxsize=None)
-def inputs(pack):
+def inputs(pack, gate="log-uniform"):
+    if gate != "log-uniform":
+        return strong_inputs(pack, gate)
     gen = G.gen_for("cuda-cp", pack)
     n, N = sum(PACKS[pack]), len(PACKS[pack])
     x = {"q": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
@@ -49,9 +64,22 @@ def inputs(pack):
     return x
 
 
+def strong_inputs(pack, gate):
+    gen = G.gen_for("cuda-cp", pack, gate)
+    n, N = sum(PACKS[pack]), len(PACKS[pack])
+    return {"q": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
+            "k": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
+            "v": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16),
+            "g": numerics_gate(gate, (1, n, H, K), gen, 0.05),
+            "beta": (2 * torch.rand(1, n, H, generator=gen)).to(torch.bfloat16),
+            "h0": 0.1 * torch.randn(N, H, K, K, generator=gen),
+            "wo": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16),
+            "ws": torch.randn(N, H, K, K, generator=gen)}
+
+
 @functools.lru_cache(maxsize=None)
-def expected(pack):
-    x = inputs(pack)
+def expected(pack, gate="log-uniform"):
+    x = inputs(pack, gate)
     leaves = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "h0")}
     o, s = reference.kda_chunked(*(leaves[n] for n in ("q", "k", "v", "g", "beta")),
                                  cu_seqlens=G.cu_of(PACKS[pack]), initial_state=leaves["h0"],
@@ -105,10 +133,13 @@ def results(name):
             cases.append({"kind": "module", "backend": "cuda", "name": f"module/{lay}/spans", "layout": lay,
                           "cu": G.cu_of(PACKS["spans"]), "inputs": x, "state_dict": sd, "H": H, "head_dim": K,
                           "modes": ["saved", "replay"]})
-        with tempfile.TemporaryDirectory(prefix="kda_cp_nccl_cuda_") as d:
-            per_rank = cp_workers.run_job(W, cases, d, 600, device="cuda")
+        cases += [{"kind": "op", "backend": "cuda", "name": f"strong-{gate}/{lay}/{pack}", "layout": lay,
+                   "cu": G.cu_of(PACKS[pack]), "inputs": inputs(pack, gate), "state_dtype": torch.float32,
+                   "modes": ["saved", "replay"]} for gate in STRONG_GATES for lay in cp.LAYOUTS for pack in STRONG_PACKS]
+        with tempfile.TemporaryDirectory(prefix="kda_cp_cuda_ranks_") as d:
+            per_rank = cp_workers.run_job(W, cases, d, 600, device=TRANSPORT)
         _JOB.update({n: [r.get(n, {"error": "missing"}) for r in per_rank] for n in per_rank[0]})
-    return G.check_results(_JOB.get(name), f"nccl cuda {name}")
+    return G.check_results(_JOB.get(name), f"{TRANSPORT} {name}")
 
 
 @pytest.mark.parametrize("layout,pack", [(lay, p) for lay in cp.LAYOUTS for p in PACKS])
@@ -169,3 +200,26 @@ def test_cuda_module_matches_fp64_single_device(layout):
             got = sum(r["saved"][key] for r in res)   # each rank's share of the parameter gradient
             e = rel_rms(got, want[key])
             assert e < REL, f"{key}: {e:.3e} ({layout}, seed {G.SEED})"
+
+
+@pytest.mark.parametrize("gate,layout,pack", [(g, lay, p) for g in STRONG_GATES for lay in cp.LAYOUTS for p in STRONG_PACKS])
+def test_strong_gates_match_reference(gate, layout, pack):
+    """Issue 21's strong decays and resets through the kernels' CP path (fragment summaries, the
+    exchange, the entering states, both backward modes): every output finite, saved = replay bitwise,
+    each within the single-GPU bound of the fp64 reference; dg zero where g is below the floor."""
+    res = results(f"strong-{gate}/{layout}/{pack}")
+    G.check_modes_bitwise(res, f"cuda strong {gate} {layout} {pack}")
+    plan = cp.make_plan(G.cu_of(PACKS[pack]), layout, world_size=W, rank=0)
+    want = expected(pack, gate)
+    loc = [r["saved"] for r in res]
+    got = {key: plan.unshard([x[key] for x in loc]) for key in ("o", "dq", "dk", "dv", "dg", "dbeta")}
+    got.update({key: torch.stack([x[key] for x in loc]).sum(0) for key in ("final", "dh0")})
+    below = inputs(pack, gate)["g"] < -20
+    for key, x in got.items():
+        assert torch.isfinite(x).all(), f"{key} not finite ({gate} {layout} {pack}, seed {G.SEED})"
+        if key == "dg" and below.all():
+            continue
+        e = rel_rms(x, want[key])
+        print(f"{gate} {layout} {pack} {key}: {e:.2e}")
+        assert e < STRONG_BOUND.get(key, REL), f"{key}: {e:.3e} ({gate} {layout} {pack}, seed {G.SEED})"
+    assert torch.equal(got["dg"][below], torch.zeros_like(got["dg"][below]))
