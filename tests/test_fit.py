@@ -240,6 +240,13 @@ def test_pipelined_walk_sms(monkeypatch):
     # pieces (CP2 Q2 contiguous rank 0: 1,769 chunks); whole, it would get every SM
     assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,), True) == 32
     assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,)) == 132
+    # CP: a pieced chain that is not the rank's last group starts its walk after its first piece, with the rest
+    # of the chunk stage (its own later pieces included) beside it: one SM per chain (CP1 Q6, 8 pieces of 390
+    # chunks: every SM measured B1 24.44 ms against forced full 20.78), in the replay (two walks) too
+    assert fit.first_piece_chunks(3125) == 390
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0, 1, (), True) == 32
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 0, 2, (), True) == 32
+    assert fit.pipelined_walk_sms("kda_bwd_walk", q6, 32, 66, 0, 2, (), True) == 32
     fit._decide.cache_clear()
     assert fit.plan_walk("kda_fwd_walk", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs

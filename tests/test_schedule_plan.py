@@ -103,6 +103,10 @@ def test_replay_plan_orders_pieces_from_both_ends():
     assert f"side {plan.pieces.group}.0: kda_fwd_walk over piece 0 of segment 0" in text
     assert f"side {plan.pieces.group}.1: kda_bwd_walk over piece {n - 1} of segment 0" in text
     assert replay_plan(Q1, 32, 132).pieces is None              # one GPU: no pieces in the replay
+    # the pieced chain's walks run beside the later pieces' chunk stage: one SM per chain, full (split on 66 SMs
+    # each would leave the chunk stage 4); the single-GPU replay's long walk, beside the short rest, takes its half
+    assert plan.sms_of("kda_fwd_walk", plan.pieces.group) == plan.sms_of("kda_bwd_walk", plan.pieces.group) == 32
+    assert replay_plan((3125, 779), 32, 132).sms_of("kda_fwd_walk", 0) == 66
 
 
 def test_explain_command():

@@ -293,9 +293,19 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
         return None
     i = max(candidates, key=lambda g: (lengths[groups[g][0]], -g))
     a = groups[i][0]
-    n, pieces = lengths[a], min(CP_PIECES, lengths[a] // MIN_PIECE_CHUNKS)
+    n, pieces = lengths[a], cp_pieces(lengths[a])
     start = sum(lengths[:a])
     return i, [start + (n * p) // pieces for p in range(pieces + 1)]
+
+
+def cp_pieces(n: int) -> int:
+    """How many pieces pieced_group cuts a CP chain of n chunks into."""
+    return min(CP_PIECES, n // MIN_PIECE_CHUNKS)
+
+
+def first_piece_chunks(n: int) -> int:
+    """The chunks of the first piece pieced_group cuts a CP chain of n chunks into."""
+    return n // cp_pieces(n)
 
 
 # The CP forward cuts the rank's critical chain into this many pieces, and launches the senders'
@@ -344,7 +354,9 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     (docs/fit_rule.md). pieced: the group is the
     one pieced_group cuts (context parallelism), treated as such a last group - a CP rank's only chain
     included, whose pieces' walks would otherwise take every SM from the chunk stage of the
-    pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two). In the
+    pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two). A pieced group
+    that is not the last launches its first piece ahead of everything (plan._launch_order), so its walk
+    starts with the whole chunk stage but that piece still to run beside it. In the
     replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are predicted not
     to hold still when they start (_held_by_earlier_walks)."""
     groups = plan_pipeline(chain_lengths, first)
@@ -361,7 +373,10 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     if step is None or not costs or restricted == sms:
         return restricted
     fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
-    done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
+    if pieced:
+        done = first_piece_chunks(chain_lengths[a])
+    else:
+        done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     rest_us = (sum(chain_lengths) - done) * heads * costs["chunk_stage_us_per_chunk_head"]
     slowdown = costs["chunk_stage_slowdown_beside_walk"][walks_beside]
     return sms if slowdown * rest_us <= step * fast else restricted

@@ -418,7 +418,8 @@ def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: t
         n = len(chosen[1]) - 1
         order = tuple(p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j)))  # 0, n-1, 1, ...
         pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n))
-    walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2)
+    walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2, (),
+                                                         pieces is not None and i == pieces.group)
                                   for i in range(len(groups)))) for prog in _WALKS["replay"])
     plan = PipelinePlan("replay", lengths, heads, half, groups, _launch_order(groups, pieces, (), pieces is not None),
                         pieces, walk_sms, skip_bwd=skip_bwd, pools=("replay/pipeline-fwd", "replay/pipeline-bwd"))
