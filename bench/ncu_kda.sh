@@ -5,7 +5,8 @@
 # Leaves the clocks alone.
 # Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's option through KDA_AOT_OPTIONS:
 # bwd_chunk_form, gate_form, walk_form; kda_fwd_chunk has one form); default: every forward and backward
-# program, the test-only forms beside the shipped ones. Reports: $NCU_DIR (default $OUT).
+# program, the test-only forms beside the shipped ones. NCU_CALL: profile_kda.py's call, log_decay (default)
+# or fla_layer (the raw gate and beta's logits activated in the kernels). Reports: $NCU_DIR (default $OUT).
 source "$(dirname "$0")/device_env.sh"
 if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything already
   KDA_AOT_TEST_RECORDS=1 KDA_AOT_PROGRAMS=kda_fwd_chunk,kda_fwd_walk,kda_bwd_walk,kda_bwd_chunk,kda_bwd_gate \
@@ -19,12 +20,12 @@ for run in ${NCU_RUNS:-$RUNS}; do
     kda_fwd_chunk) knob= ;; kda_bwd_chunk) knob=bwd_chunk_form ;;  # kda_fwd_chunk: one form
     kda_bwd_gate) knob=gate_form ;; *) knob=walk_form ;;
   esac
-  report="${NCU_DIR:-$OUT}/ncu_${k}_${form}.txt"
+  report="${NCU_DIR:-$OUT}/ncu_${k}_${form}_${NCU_CALL:-log_decay}.txt"
   for extra in "--section SourceCounters --print-details all" ""; do  # the first needs a recent ncu
     env KDA_AOT_OPTIONS="${knob:+$knob=$form}" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
       ncu --clock-control none -k regex:"$k\\b" -c 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 > "$report" 2>&1
+        --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 "${NCU_CALL:-log_decay}" > "$report" 2>&1
     grep -q "Duration" "$report" && break
   done
   echo "== $k ($form)"
