@@ -40,7 +40,8 @@ def bwd_chunk(cs, tape, dtape, Vn, v, dO, beta, gam_last, scale, kn):
     dS = rnd(dtape, kn["tape_op"])
     dgam_s = torch.exp(gam_last) * (tape * dtape).sum(-1)
     dSv = dS if kn["tape_dvp"] is None else rnd(dtape, kn["tape_dvp"])
-    dvp = rnd(scale * (cs["Aqk"].transpose(-1, -2) @ dO) + cs["Kg"] @ dSv, kn["dvp"])
+    dvp32 = scale * (cs["Aqk"].transpose(-1, -2) @ dO) + cs["Kg"] @ dSv
+    dvp = rnd(dvp32, kn["dvp"])
     tri = torch.tril(torch.ones(C, C))
     tri_s = torch.tril(torch.ones(C, C), -1)
     out = dict(dgam_s=dgam_s)
@@ -51,7 +52,8 @@ def bwd_chunk(cs, tape, dtape, Vn, v, dO, beta, gam_last, scale, kn):
     dAqk32 = scale * tri * (dO @ Vn.transpose(-1, -2))
     out["dAqk"] = rnd(dAqk32, kn["daqk"])
     out["dAqk_ii"] = rnd(torch.diagonal(dAqk32, dim1=-2, dim2=-1), kn["daqk_ii"])
-    dW = rnd(-(dvp @ S.transpose(-1, -2)), kn["dw"])
+    dvp_w = dvp if kn["dvp_dw"] is None else rnd(dvp32, kn["dvp_dw"])
+    dW = rnd(-(dvp_w @ S.transpose(-1, -2)), kn["dw"])
     inv = rnd(cs["inv"], kn["akk_inv"])
     dRk = rnd(inv.transpose(-1, -2) @ dW, kn["drk"])
     dRv32 = inv.transpose(-1, -2) @ dvp

@@ -49,6 +49,7 @@ SHIPPED = {
     "tape_dvp": None,        # dS as the operand of dV' = ... + Kg dS alone (None: tape_op; 'hilo': a second mma pass)
     "akk_inv": "bf16",       # saved (I + L)^-1
     "dvp": "bf16", "dw": "bf16", "drk": "bf16", "drv": "bf16",
+    "dvp_dw": None,          # dV' as dW's operand alone (None: dvp; 'bf16': hi only while dRv keeps dvp's)
     "dqg": "bf16", "dkg": "bf16", "daqk": "bf16", "dakk": "bf16",
     # kda_bwd_gate
     "gated_op": "hilo",      # the gated operand (bf16 hi + lo)
@@ -70,7 +71,7 @@ KNOB_DOC = {
     "qg": "Q e^Gamma stored", "kg": "K e^(gamma-Gamma) stored", "s_op": "walk: S operand",
     "vnew": "walk: V' operand/saved", "ds_op": "bwd walk: dS operand", "ndv": "bwd walk: dV' operand",
     "tape_op": "bwd chunk: S, dS operands", "tape_dvp": "bwd chunk: dS operand of dV'",
-    "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'",
+    "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'", "dvp_dw": "bwd chunk: dV' as dW's operand",
     "dw": "bwd chunk: dW", "drk": "bwd chunk: dRk", "drv": "bwd chunk: dRv", "dqg": "dQg stored",
     "dkg": "dKg stored", "daqk": "dAqk stored", "dakk": "dAkk stored", "gated_op": "gate: gated operand",
 }
