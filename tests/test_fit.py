@@ -238,15 +238,19 @@ def test_pipelined_walk_sms(monkeypatch):
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 1) == 132  # in pieces, beside that walk
     # CP: a rank's only chain, sent and cut in pieces (pieced_group): one SM per chain, as a last group in
     # pieces (CP2 Q2 contiguous rank 0: 1,769 chunks); whole, it would get every SM
-    assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,), True) == 32
+    assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,), 0) == 32
     assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,)) == 132
     # CP: a pieced chain that is not the rank's last group starts its walk after its first piece, with the rest
     # of the chunk stage (its own later pieces included) beside it: one SM per chain (CP1 Q6, 8 pieces of 390
     # chunks: every SM measured B1 24.44 ms against forced full 20.78), in the replay (two walks) too
     assert fit.first_piece_chunks(3125) == 390
-    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0, 1, (), True) == 32
-    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 0, 2, (), True) == 32
-    assert fit.pipelined_walk_sms("kda_bwd_walk", q6, 32, 66, 0, 2, (), True) == 32
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0, 1, (), 0) == 32
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 0, 2, (), 0) == 32
+    assert fit.pipelined_walk_sms("kda_bwd_walk", q6, 32, 66, 0, 2, (), 0) == 32
+    # the replay's last group beside them: the pieced chain's walks hold the 32 SMs of half's 66 this rule
+    # gives them, not the 66 of an unpieced group (full either way: the launches are the same)
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 1, 2, (), 0) == 34
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 1, 2, ()) == 32
     fit._decide.cache_clear()
     assert fit.plan_walk("kda_fwd_walk", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs

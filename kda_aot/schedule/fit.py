@@ -338,7 +338,7 @@ def walk_step_us(program: str, alone: bool = True) -> float | None:
 
 @functools.lru_cache(maxsize=1024)
 def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int,
-                       walks_beside: int = 1, first: tuple = (), pieced: bool = False) -> int:
+                       walks_beside: int = 1, first: tuple = (), pieced: int = -1) -> int:
     """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
@@ -351,30 +351,36 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     every SM - unless the forward cuts it in pieces (last_group_pieces) and every earlier walk is
     restricted: then its pieces' walks run beside those walks and the later pieces' chunk stage, and
     get one SM per chain too; when an earlier walk took every SM, the last one on every SM pays
-    (docs/fit_rule.md). pieced: the group is the
-    one pieced_group cuts (context parallelism), treated as such a last group - a CP rank's only chain
-    included, whose pieces' walks would otherwise take every SM from the chunk stage of the
-    pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA instead of two). A pieced group
+    (docs/fit_rule.md). pieced: the group that pieced_group cuts (context parallelism; -1: none), treated
+    as such a last group - a CP rank's only chain included, whose pieces' walks would otherwise take every
+    SM from the chunk stage of the pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA
+    instead of two). A pieced group
     that is not the last launches its first piece ahead of everything (plan._launch_order), so its walk
-    starts with the whole chunk stage but that piece still to run beside it. In the
+    starts with the whole chunk stage but that piece still to run beside it (in the replay, whose backward
+    walk goes through the pieces from the back, that walk after the last piece too). In the
     replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are predicted not
-    to hold still when they start (_held_by_earlier_walks)."""
+    to hold still when they start (_held_by_earlier_walks, which counts the pieced group's walks on the SMs
+    this rule gives them)."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
     if group == len(groups) - 1:
-        if walks_beside == 1 and (pieced or last_group_pieces(chain_lengths, first) is not None) and all(
+        # The earlier walks' budgets here are each group's as if none were pieced, as measured
+        # (docs/fit_rule.md); the pieced one's own budget changes three CP plans: docs/wip/cp-forward-last-group.
+        in_pieces = group == pieced or last_group_pieces(chain_lengths, first) is not None
+        if walks_beside == 1 and in_pieces and all(
                 pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first) < sms for g in range(group)):
             return restricted
         if walks_beside == 1:  # an earlier walk holds SMs: the last walk on every SM pays (docs/fit_rule.md)
             return sms
-        return max(restricted, sms - _held_by_earlier_walks(program, chain_lengths, heads, sms, walks_beside, first))
+        return max(restricted, sms - _held_by_earlier_walks(program, chain_lengths, heads, sms, walks_beside, first,
+                                                            pieced))
     step, costs = walk_step_us(program), pipeline_params()
     if step is None or not costs or restricted == sms:
         return restricted
     fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
-    if pieced:
-        done = first_piece_chunks(chain_lengths[a])
+    if group == pieced:
+        done = first_piece_chunks(chain_lengths[a]) * (2 if walks_beside == 2 and program == "kda_bwd_walk" else 1)
     else:
         done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     rest_us = (sum(chain_lengths) - done) * heads * costs["chunk_stage_us_per_chunk_head"]
@@ -383,7 +389,7 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
 
 
 def _held_by_earlier_walks(program: str, chain_lengths: tuple, heads: int, sms: int, walks_beside: int,
-                           first: tuple) -> int:
+                           first: tuple, pieced: int = -1) -> int:
     """The SMs that earlier groups' walks are predicted to hold still when the last group's chunk stage
     ends and its walks start (the replay: two walks at once, each planned on half the SMs): those walks
     get the others. A long earlier chain is then the critical path,
@@ -400,7 +406,7 @@ def _held_by_earlier_walks(program: str, chain_lengths: tuple, heads: int, sms: 
     t, walks = 0.0, []
     for i, (a, b) in enumerate(groups[:-1]):
         t += sum(chain_lengths[a:b]) * stage_us * (1.0 if i == 0 else slowdown)
-        held = pipelined_walk_sms(program, chain_lengths, heads, sms, i, walks_beside, first)
+        held = pipelined_walk_sms(program, chain_lengths, heads, sms, i, walks_beside, first, pieced)
         span = min(predicted(chain_lengths[a:b], heads, held, *measured_rho()[program]).values())
         walks.append((t + step * span, held))
     a, b = groups[-1]

@@ -381,8 +381,8 @@ def _forward_plan(lengths: tuple, heads: int, sms: int, first: tuple, deferred: 
     groups = tuple(fit.plan_pipeline(lengths, first))
     chosen = fit.pieced_group(lengths, first, deferred, cp)
     pieces = None if chosen is None else Pieces(chosen[0], tuple(chosen[1]), tuple(range(len(chosen[1]) - 1)))
-    sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first,
-                                          pieces is not None and i == pieces.group)
+    pieced = -1 if pieces is None else pieces.group
+    sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first, pieced)
                    for i in range(len(groups)))
     plan = PipelinePlan("forward", lengths, heads, sms, groups, _launch_order(groups, pieces, first, cp),
                         pieces, (("kda_fwd_walk", sms_of),), first, deferred, pools=("pipeline",))
@@ -418,8 +418,8 @@ def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: t
         n = len(chosen[1]) - 1
         order = tuple(p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j)))  # 0, n-1, 1, ...
         pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n))
-    walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2, (),
-                                                         pieces is not None and i == pieces.group)
+    pieced = -1 if pieces is None else pieces.group
+    walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2, (), pieced)
                                   for i in range(len(groups)))) for prog in _WALKS["replay"])
     plan = PipelinePlan("replay", lengths, heads, half, groups, _launch_order(groups, pieces, (), pieces is not None),
                         pieces, walk_sms, skip_bwd=skip_bwd, pools=("replay/pipeline-fwd", "replay/pipeline-bwd"))
