@@ -36,7 +36,7 @@ TRANSPORT = "cuda" if torch.cuda.device_count() >= 2 else "cuda-shared"  # cp_wo
 REL = 1e-2
 # Strong gates (bench.numerics.gate; beta in [0, 2), initial states): the single-GPU bounds of
 # tests/test_kda_numerics_gpu.py (dbeta 5e-2: heavy-tailed where its terms cancel). Below the kernels'
-# gate floor (-20) dg is zero (the floor's derivative) and the truth ~e^g: not bounded, checked zero.
+# gate floor (GATE_FLOOR, -20) dg is zero (the floor's derivative) and the truth ~e^g: not bounded, checked zero.
 STRONG_GATES = ("const-12", "const-30", "unif-60", "ninf")
 STRONG_PACKS = ("mixed", "spans")
 STRONG_BOUND = {"dbeta": 5e-2}
@@ -49,29 +49,16 @@ _JOB = {}
 
 @functools.lru_cache(maxsize=None)
 def inputs(pack, gate="log-uniform"):
-    if gate != "log-uniform":
-        return strong_inputs(pack, gate)
-    gen = G.gen_for("cuda-cp", pack)
-    n, N = sum(PACKS[pack]), len(PACKS[pack])
-    x = {"q": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
-         "k": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
-         "v": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16),
-         "g": -torch.exp(torch.empty(1, n, H, K).uniform_(-5, 1.6, generator=gen)),
-         "beta": torch.rand(1, n, H, generator=gen).to(torch.bfloat16),
-         "h0": 0.1 * torch.randn(N, H, K, K, generator=gen),
-         "wo": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16),
-         "ws": torch.randn(N, H, K, K, generator=gen)}
-    return x
-
-
-def strong_inputs(pack, gate):
-    gen = G.gen_for("cuda-cp", pack, gate)
+    """The pack's inputs: g log-uniform in [-5, -0.007] and beta in [0, 1), or one of STRONG_GATES with beta
+    in [0, 2) (FLA's allow_neg_eigval range)."""
+    gen = G.gen_for("cuda-cp", pack) if gate == "log-uniform" else G.gen_for("cuda-cp", pack, gate)
     n, N = sum(PACKS[pack]), len(PACKS[pack])
     return {"q": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
             "k": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
             "v": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16),
-            "g": numerics_gate(gate, (1, n, H, K), gen, 0.05),
-            "beta": (2 * torch.rand(1, n, H, generator=gen)).to(torch.bfloat16),
+            "g": (-torch.exp(torch.empty(1, n, H, K).uniform_(-5, 1.6, generator=gen)) if gate == "log-uniform"
+                  else numerics_gate(gate, (1, n, H, K), gen, 0.05)),
+            "beta": ((1.0 if gate == "log-uniform" else 2.0) * torch.rand(1, n, H, generator=gen)).to(torch.bfloat16),
             "h0": 0.1 * torch.randn(N, H, K, K, generator=gen),
             "wo": torch.randn(1, n, H, K, generator=gen).to(torch.bfloat16),
             "ws": torch.randn(N, H, K, K, generator=gen)}
@@ -214,7 +201,7 @@ def test_strong_gates_match_reference(gate, layout, pack):
     loc = [r["saved"] for r in res]
     got = {key: plan.unshard([x[key] for x in loc]) for key in ("o", "dq", "dk", "dv", "dg", "dbeta")}
     got.update({key: torch.stack([x[key] for x in loc]).sum(0) for key in ("final", "dh0")})
-    below = inputs(pack, gate)["g"] < -20
+    below = inputs(pack, gate)["g"] < G.GATE_FLOOR
     for key, x in got.items():
         assert torch.isfinite(x).all(), f"{key} not finite ({gate} {layout} {pack}, seed {G.SEED})"
         if key == "dg" and below.all():

@@ -354,13 +354,12 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     (docs/fit_rule.md). pieced: the group that pieced_group cuts (context parallelism; -1: none), treated
     as such a last group - a CP rank's only chain included, whose pieces' walks would otherwise take every
     SM from the chunk stage of the pieces after them (a walk CTA leaves an SM room for one chunk-stage CTA
-    instead of two). A pieced group
-    that is not the last launches its first piece ahead of everything (plan._launch_order), so its walk
-    starts with the whole chunk stage but that piece still to run beside it (in the replay, whose backward
-    walk goes through the pieces from the back, that walk after the last piece too). In the
-    replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are predicted not
-    to hold still when they start (_held_by_earlier_walks, which counts the pieced group's walks on the SMs
-    this rule gives them)."""
+    instead of two). A pieced group that is not the last launches its first piece ahead of everything
+    (plan._launch_order), so its walk starts with the whole chunk stage but that piece still to run beside
+    it (in the replay, whose backward walk goes through the pieces from the back, that walk after the last
+    piece too). In the replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are
+    predicted not to hold still when they start (_held_by_earlier_walks, which counts the pieced group's
+    walks on the SMs this rule gives them)."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
