@@ -3,7 +3,10 @@ every kernel's stream, start, end and duration relative to the first kernel, the
 stream, the span, and the stretches when no kernel runs. Shows where a pipelined forward or a
 training step spends its span (chunk stage vs walks vs idle), which per-kernel sums cannot.
 
-  python bench/timeline_kda.py [pack] [heads] [forward|saved|replay] [--json PATH]
+  python bench/timeline_kda.py [pack] [heads] [forward|saved|replay|fla_layer] [--json PATH]
+
+fla_layer: a replay step as FLA's layer calls chunk_kda (raw gate, A_log, dt_bias and beta's logits activated
+in the kernels, q and k L2-normalised in the call).
 """
 import json
 import os
@@ -14,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.packs import PACKS
-from bench.single import inputs
+from bench.single import fla_gate_inputs, inputs
 from kda_aot import chunk_kda
 from kda_aot.schedule.kda import chunk_kda_fwd
 
@@ -56,7 +59,15 @@ def main():
     out_json = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     q, k, v, g, beta, cu = inputs(PACKS[pack], H)
     cu = cu.cpu()
+    kw = dict(backward=mode)
+    if mode == "fla_layer":
+        g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], H)
+        kw = dict(backward="replay", use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
+    if mode == "fla_layer":
+        leaves += [a_log.clone().requires_grad_(), dt_bias.clone().requires_grad_()]
+        kw.update(A_log=leaves[5], dt_bias=leaves[6])
     do = torch.randn_like(q)
 
     def step():
@@ -65,7 +76,7 @@ def main():
             return
         for x in leaves:
             x.grad = None
-        chunk_kda(*leaves, cu_seqlens=cu, backward=mode)[0].backward(do)
+        chunk_kda(*leaves[:5], cu_seqlens=cu, **kw)[0].backward(do)
 
     for _ in range(2):
         step()
