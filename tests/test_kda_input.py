@@ -205,9 +205,9 @@ def test_head_groups_split_evenly_and_cover_every_head():
 
 def test_replay_working_set_is_counted_per_head():
     from kda_aot.schedule.backward import replay_bytes_per_head
-    # Q1 (249,856 tokens, 3,904 chunks): about 1.5 GB a head, so H = 64 needs two groups on an H200
+    # Q1 (249,856 tokens, 3,904 chunks): about 1.7 GB a head, so H = 64 needs two groups on an H200
     b = replay_bytes_per_head(249856, 3904)
-    assert 1.45e9 < b < 1.65e9
+    assert 1.5e9 < b < 1.75e9
 
 
 def test_chunk_kda_batched_and_packed_shapes_are_checked():

@@ -307,3 +307,28 @@ def test_replay_nodes_leave_out_the_skipped_backward_walks():
     skipped = replay_plan((40, 3, 1584, 5, 368), 32, 132, pieced=True, skip_bwd=(a,))
     assert not [w for w in skipped.nodes if isinstance(w, Walk) and w.program == "kda_bwd_walk" and w.first == a]
     assert f"no backward walk of [{a}]" in skipped.explain()
+
+
+@pytest.mark.parametrize("lengths", [Q1, (3125, 779), (1025, 193, 1563, 487, 625, 205), (7,)])
+def test_replay_plan_launches_bwd_chunk_behind_each_groups_walks(lengths):
+    """bwd_chunk (one GPU): after the last chunk stage, each group's two joins then kda_bwd_chunk over its chunks,
+    in launch order: every chunk once, none before its group's walks are joined; the last group's walks get one
+    SM a chain when the earlier groups' kda_bwd_chunk outlasts them on every SM (Q1: 66 -> 32 SMs)."""
+    from kda_aot.schedule.plan import BwdChunk, ChunkStage, Wait
+    plan = replay_plan(lengths, 32, 132, bwd_chunk=True)
+    nodes = plan.nodes
+    last_stage = max(i for i, n in enumerate(nodes) if isinstance(n, ChunkStage))
+    bwd = [(i, n) for i, n in enumerate(nodes) if isinstance(n, BwdChunk)]
+    assert all(i > last_stage for i, _ in bwd)
+    assert sorted((n.first, n.end) for _, n in bwd) == sorted(plan.chunk_range(g) for g in range(len(plan.groups)))
+    for i, n in bwd:
+        joined = {(w.on.group, w.on.lane) for w in nodes[:i] if isinstance(w, Wait) and w.join}
+        assert {(n.group, 0), (n.group, 1)} <= joined
+    assert sum(isinstance(n, Wait) and n.join for n in nodes) == 2 * len(plan.groups)
+    assert "kda_bwd_chunk of each group after its walks" in plan.explain()
+    assert replay_plan(lengths, 32, 132) is not plan and not any(isinstance(n, BwdChunk)
+                                                                 for n in replay_plan(lengths, 32, 132).nodes)
+    if lengths == Q1:
+        assert replay_plan(Q1, 32, 132).sms_of("kda_bwd_walk", 3) == 66 and plan.sms_of("kda_bwd_walk", 3) == 32
+    with pytest.raises(ValueError, match="bwd_chunk: only a replay without pieces"):
+        replay_plan(lengths, 32, 132, pieced=True, bwd_chunk=True)

@@ -56,15 +56,15 @@ def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
     (fp32) (see templates/common/kda.h).
     form: one of BWD_CHUNK_FORMS (default: Options.bwd_chunk_form, else the shipped one)."""
     form = kda._pick_form("bwd_chunk_form", form, kda.BWD_CHUNK_FORMS)
-    t = _bwd_chunk_tensors(saved, dout, dtape)
-    _launch_bwd_chunk(t, form)
+    t = bwd_chunk_tensors(saved, dout, dtape)
+    launch_bwd_chunk(t, form)
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
 _BWD_CHUNK_OUTPUTS = ("dv", "drk", "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s")
 
 
-def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
+def bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     """kda_bwd_chunk's inputs (from saved, dout, dtape) and its outputs, allocated (nothing launched)."""
     v = saved["v"]  # H below: the value heads
     if saved.get("tape") is None:
@@ -85,7 +85,7 @@ def _bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     return t
 
 
-def _launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
+def launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
     """kda_bwd_chunk over chunks [first, end) (all by default; per-chunk tensors narrowed as in
     _launch_chunk_stage: each chunk reads and writes its own rows)."""
     desc = {name: kda.describe(x, name) for name, x in kda._chunk_range(t, first, end).items()}
@@ -145,7 +145,8 @@ def gate_parameter_grads(da_log_part: torch.Tensor, ddt_bias_part: torch.Tensor)
     return da_log_part.sum(dim=(0, 2)), ddt_bias_part.sum(dim=0)
 
 
-def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=()):
+def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_form=None, walk=None, rewalk=(),
+                  parts=None):
     """Every input gradient from a forward run with save_tape=True: the backward walk
     (kda_bwd_walk), the plain products (kda_bwd_chunk) and the gated half (kda_bwd_gate).
     Returns (dq bf16, dk bf16, dv bf16, dg fp32, dbeta fp32, d_initial_state fp32); with the gate's
@@ -159,8 +160,12 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     rewalk (with walk; context parallelism): segments whose walk ran from a stand-in exit-state
     gradient and runs again here from dfinal_state's rows, into walk's rows - beside kda_bwd_chunk
     over the other segments' chunks when fit.rewalk_beside says it hides there. Bitwise the same as
-    walking them first."""
+    walking them first.
+    parts (with walk): kda_bwd_chunk's outputs when it has been launched already (the replay's plan launches it
+    a group at a time, behind the walks)."""
     gate_form = kda._pick_form("gate_form", gate_form, kda.GATE_FORMS)
+    if parts is not None and (walk is None or rewalk):
+        raise ValueError("parts: kda_bwd_chunk ran behind the walks: give their walk, and no rewalk")
     if walk is not None:
         dtape, dh0 = walk
         walk.clear()
@@ -169,7 +174,9 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     if release:
         for name in ("qg", "o", "final_state", "aqk_diag_lo"):  # (the walk's output stage alone reads the last)
             saved.pop(name, None)
-    if rewalk:
+    if parts is not None:
+        pass  # launched by the replay's plan
+    elif rewalk:
         parts = _bwd_chunk_rewalk(saved, dout, dfinal_state, dtape, dh0, sorted(rewalk))
     else:
         parts = chunk_kda_bwd_chunk(saved, dout, dtape)
@@ -191,7 +198,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     lengths, H = saved["chain_lengths"], v.shape[2]
     runs = segment_runs(set(rewalk), len(lengths))
     form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
-    t = _bwd_chunk_tensors(saved, dout, dtape)
+    t = bwd_chunk_tensors(saved, dout, dtape)
     sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda.device_sms(v.device))
 
     def walk_again(sm_count=None):
@@ -201,7 +208,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
                                pool="kda_bwd_walk/rewalk")
     if sms is None:
         walk_again()
-        _launch_bwd_chunk(t, form)
+        launch_bwd_chunk(t, form)
     else:
         first = (0, *itertools.accumulate(lengths))
         main = torch.cuda.current_stream(v.device)
@@ -212,22 +219,22 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
                 walk_again(sms)
             for inside, a, b in fit.runs_of([s not in rewalk for s in range(len(lengths))]):
                 if inside:
-                    _launch_bwd_chunk(t, form, first[a], first[b])
+                    launch_bwd_chunk(t, form, first[a], first[b])
         finally:
             main.wait_stream(side)
         for a, b in runs:
-            _launch_bwd_chunk(t, form, first[a], first[b])
+            launch_bwd_chunk(t, form, first[a], first[b])
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
-    replayed intermediates still alive at kda_bwd_chunk (w, u, kg, aqk, V', (I+L)^-1: 1,280 B a
-    token), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16, dKg, dAqk's diagonal, dbeta_v in fp32:
+    replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, aqk, V', (I+L)^-1 and aqk's diagonal residue:
+    1,540 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16, dKg, dAqk's diagonal, dbeta_v in fp32:
     1,544 B a token), a head
     group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
     (128 KiB a chunk)."""
-    return T * (1280 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
+    return T * (1540 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
@@ -302,33 +309,37 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
 
 def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
-    the chunk stage unless Options.pipeline is off), then the chunk-parallel backward. Bitwise the same
-    as the saved-context backward."""
+    the chunk stage unless Options.pipeline is off, kda_bwd_chunk then a group at a time behind them), then
+    the chunk-parallel backward. Bitwise the same as the saved-context backward."""
     if kda._pipeline_on():
-        saved, walk = replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate,
-                                             beta_kind=beta_kind)
-    else:
-        prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                         save_tape=True, gate=gate, beta_kind=beta_kind)
-        saved, walk = replay_walks(prepared, h0, do, dht)
-        del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
+        saved, walk, parts = replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate,
+                                                    beta_kind=beta_kind, bwd_chunk=True)
+        return chunk_kda_bwd(saved, do, dht, release=True, walk=walk, parts=parts)
+    prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
+                                     save_tape=True, gate=gate, beta_kind=beta_kind)
+    saved, walk = replay_walks(prepared, h0, do, dht)
+    del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
 def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
-                            gate=None, beta_kind=kda.BETA_PLAIN):
+                            gate=None, beta_kind=kda.BETA_PLAIN, bwd_chunk=False):
     """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
-    planned on half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (The chunk-parallel
-    backward is not pipelined behind the walks: the replay step is bound by the sum of its kernels'
-    SM time, docs/backward.md.) skip_bwd (context parallelism):
+    planned on half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (kda_bwd_chunk
+    runs behind the walks only after the last chunk stage, bwd_chunk below: a group's as soon as its walks end,
+    its chunk stage competed with the later groups' chunk stages and the step is bound by the sum of its
+    kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
     pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),
     first and last piece first, then the second and the last but one, ...: its forward walk goes
     through the pieces from the front, its backward walk from the back, each piece from its neighbour's
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's
-    chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md)."""
+    chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md).
+    bwd_chunk (one GPU): the plan launches kda_bwd_chunk as well, each group's chunks once its walks are done,
+    beside the later groups' walks (plan._bwd_chunk_joins); its outputs come third in what is returned
+    (chunk_kda_bwd's parts)."""
     prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate,
                                         beta_kind=beta_kind)
     _check_dout(do, v)
@@ -338,12 +349,19 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     outs = kda._walk_outputs(v, N, C, None, save_tape=True, want_output=False, output_final_state=False)
     dtape = torch.empty(C, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(N, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32)
-    plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced, skip_bwd=skip_bwd)
+    plan = replay_plan(prepared["chain_lengths"], H, kda.device_sms(q.device), pieced=pieced, skip_bwd=skip_bwd,
+                       bwd_chunk=bwd_chunk)
     piece_chunks, handoff = execute.piece_buffers(plan, H, q.device, ("fwd_handoff", "bwd_handoff"))
     buffers = {"initial_state": h0, "dfinal_state": dht, "dinitial_state": dh0, **handoff}
+    saved = dict(prepared, initial_state=h0, **outs)
+    launched = None
+    if bwd_chunk:  # allocated before the walks: qg (the backward walk's) is alive beside them, replay_bytes_per_head
+        launched = (bwd_chunk_tensors(saved, do, dtape), kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS))
     execute.run(plan, execute.Call(prepared, buffers, outs, save_tape=True, want_output=False, dout=do, dtape=dtape,
-                                   piece_chunks=piece_chunks))
-    return dict(prepared, initial_state=h0, **outs), [dtape, dh0]
+                                   piece_chunks=piece_chunks, bwd_chunk=launched))
+    if not bwd_chunk:
+        return saved, [dtape, dh0]
+    return saved, [None, dh0], {name: launched[0][name] for name in _BWD_CHUNK_OUTPUTS}
 
 
 def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN):

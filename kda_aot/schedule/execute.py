@@ -12,7 +12,7 @@ import torch
 
 from . import backward, kda
 from .._runtime.tensor import host_table_to
-from .plan import ChunkStage, PipelinePlan, Record, Rows, RunExchange, Stream, Wait, WaitEvent, Walk
+from .plan import BwdChunk, ChunkStage, PipelinePlan, Record, Rows, RunExchange, Stream, Wait, WaitEvent, Walk
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Call:
     dtape: Optional[torch.Tensor] = None
     piece_chunks: Optional[torch.Tensor] = None
     exchange: object = None
+    bwd_chunk: Optional[tuple] = None
     events: dict = field(default_factory=dict)
 
     def rows(self, ref: Optional[Rows]):
@@ -77,6 +78,10 @@ class _Streams:
 
 def _chunk_stage(node: ChunkStage, plan, call: Call, streams):
     kda._launch_chunk_stage(call.prepared, call.buffers.get("initial_state"), node.first, node.end)
+
+
+def _bwd_chunk(node: BwdChunk, plan, call: Call, streams):
+    backward.launch_bwd_chunk(*call.bwd_chunk, node.first, node.end)
 
 
 def _wait(node: Wait, plan, call: Call, streams):
@@ -131,7 +136,7 @@ def _exchange(node: RunExchange, plan, call: Call, streams):
         call.buffers["entering"] = states.to(torch.float32).contiguous()
 
 
-_LAUNCHERS = {ChunkStage: _chunk_stage, Wait: _wait, Record: _record, WaitEvent: _wait_event, Walk: _walk,
+_LAUNCHERS = {ChunkStage: _chunk_stage, BwdChunk: _bwd_chunk, Wait: _wait, Record: _record, WaitEvent: _wait_event, Walk: _walk,
               RunExchange: _exchange}
 
 

@@ -338,7 +338,7 @@ def walk_step_us(program: str, alone: bool = True) -> float | None:
 
 @functools.lru_cache(maxsize=1024)
 def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int, group: int,
-                       walks_beside: int = 1, first: tuple = (), pieced: int = -1) -> int:
+                       walks_beside: int = 1, first: tuple = (), pieced: int = -1, bwd_chunk: bool = False) -> int:
     """The SMs the walk of pipelined group `group` (plan_pipeline's launch order) is planned on. A walk
     that runs beside the chunk stage of the groups after it gets as many SMs as it has chains (the fit
     rule then keeps one full CTA per chain and leaves the other SMs to the chunk stage) - unless it
@@ -359,7 +359,9 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     it (in the replay, whose backward walk goes through the pieces from the back, that walk after the last
     piece too). In the replay (walks_beside = 2) the last group's walks get the SMs that earlier walks are
     predicted not to hold still when they start (_held_by_earlier_walks, which counts the pieced group's
-    walks on the SMs this rule gives them)."""
+    walks on the SMs this rule gives them) - unless kda_bwd_chunk over the earlier groups' chunks runs beside
+    them (bwd_chunk: the replay plan's BwdChunk nodes): then they are planned as an earlier group's walk, that
+    kda_bwd_chunk as the work beside them."""
     groups = plan_pipeline(chain_lengths, first)
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
@@ -372,19 +374,31 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
             return restricted
         if walks_beside == 1:  # an earlier walk holds SMs: the last walk on every SM pays (docs/fit_rule.md)
             return sms
+        if bwd_chunk and _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted,
+                                               sum(chain_lengths[:a]) * heads, "bwd_chunk_us_per_chunk_head", 2):
+            return restricted
         return max(restricted, sms - _held_by_earlier_walks(program, chain_lengths, heads, sms, walks_beside, first,
                                                             pieced))
-    step, costs = walk_step_us(program), pipeline_params()
-    if step is None or not costs or restricted == sms:
-        return restricted
-    fast = min(predicted(chain_lengths[a:b], heads, sms, *measured_rho()[program]).values())
     if group == pieced:
         done = first_piece_chunks(chain_lengths[a]) * (2 if walks_beside == 2 and program == "kda_bwd_walk" else 1)
     else:
         done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
-    rest_us = (sum(chain_lengths) - done) * heads * costs["chunk_stage_us_per_chunk_head"]
+    outlasts = _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted,
+                                     (sum(chain_lengths) - done) * heads, "chunk_stage_us_per_chunk_head", walks_beside)
+    return restricted if outlasts in (None, True) else sms
+
+
+def _beside_work_outlasts(program: str, chains: tuple, heads: int, sms: int, restricted: int, chunk_heads: int,
+                          cost: str, walks_beside: int):
+    """Whether `chunk_heads` (chunk, head) pairs of chunk-parallel work (pipeline_params()[cost] each), slowed
+    beside the walks, outlast the walk of `chains` on every SM; None when there is nothing to decide (no costs
+    for this GPU, or one SM a chain is every SM)."""
+    step, costs = walk_step_us(program), pipeline_params()
+    if step is None or not costs or restricted == sms:
+        return None
+    fast = min(predicted(chains, heads, sms, *measured_rho()[program]).values())
     slowdown = costs["chunk_stage_slowdown_beside_walk"][walks_beside]
-    return sms if slowdown * rest_us <= step * fast else restricted
+    return slowdown * chunk_heads * costs[cost] > step * fast
 
 
 def _held_by_earlier_walks(program: str, chain_lengths: tuple, heads: int, sms: int, walks_beside: int,

@@ -6,7 +6,8 @@ its `nodes` are what the executor (execute.py) runs, one kind of node to one lau
 
     forward_plan(chain_lengths, heads, sms)           the pipelined forward (chunk_kda_fwd); with cp=True
                                                       and the deferred segments, its exchange node (CP)
-    replay_plan(chain_lengths, heads, sms)            the replay's walks beside its chunk stage
+    replay_plan(chain_lengths, heads, sms)            the replay's walks beside its chunk stage; with
+                                                      bwd_chunk=True, kda_bwd_chunk after each group's walks
     print(plan) / plan.explain()                      the schedule, one node a line
 
 Decisions come from the fit rule (fit.plan_pipeline, fit.pieced_group, fit.pipelined_walk_sms); the
@@ -122,6 +123,18 @@ class ChunkStage:
 
 
 @dataclass(frozen=True)
+class BwdChunk:
+    """kda_bwd_chunk over chunks [first, end) (group `group`'s) on the current stream, once the group's walks
+    (its tape and dtape rows) are done."""
+    first: int
+    end: int
+    group: int
+
+    def __str__(self) -> str:
+        return f"main: kda_bwd_chunk over chunks [{self.first}, {self.end}) (group {self.group})"
+
+
+@dataclass(frozen=True)
 class Wait:
     """`stream` waits for what is queued on `on` so far. join: run also when a node before it raised, since
     queued work may still read the caller's tensors."""
@@ -205,6 +218,7 @@ class PipelinePlan:
     deferred: Tuple[int, ...] = ()             # segments whose walk waits for the exchange (CP)
     exchange: Optional[Exchange] = None        # CP: the exchange and the deferred walks, after the launches
     skip_bwd: Tuple[int, ...] = ()             # replay: segments whose backward walk is left out
+    bwd_chunk: bool = False                    # replay: kda_bwd_chunk launched by the plan, a group at a time
     pools: Tuple[str, ...] = ()                # the side-stream pool of each lane (a walk program at a time)
     nodes: tuple = ()                          # what the executor runs, in order
 
@@ -230,6 +244,8 @@ class PipelinePlan:
             head += f"; first {list(self.first)}, deferred {list(self.deferred)}"
         if self.skip_bwd:
             head += f"; no backward walk of {list(self.skip_bwd)}"
+        if self.bwd_chunk:
+            head += "; kda_bwd_chunk of each group after its walks"
         return "\n".join([head] + [f"  {step:2d}. {node}" for step, node in enumerate(self.nodes)])
 
     def groups_of(self, segments) -> Tuple[int, ...]:
@@ -321,10 +337,22 @@ def _forward_nodes(plan: PipelinePlan) -> tuple:
     return tuple(nodes) + _joins(plan)
 
 
+def _bwd_chunk_joins(plan: PipelinePlan) -> tuple:
+    """The joins, a group at a time in launch order (the order its walks start, and about the order they end),
+    each followed by kda_bwd_chunk over the group's chunks: after the last chunk stage, so it competes with no
+    chunk stage the walks wait for, and beside the later groups' walks, on the SMs they leave idle (the last
+    group's walks run alone otherwise: 1.8 ms on half the GPU, Q1)."""
+    nodes = []
+    for g in dict.fromkeys(i for i, _ in plan.launches):
+        nodes += [Wait(MAIN, Stream("side", g, lane), join=True) for lane in range(len(plan.pools))]
+        nodes.append(BwdChunk(*plan.chunk_range(g), g))
+    return tuple(nodes)
+
+
 def _replay_nodes(plan: PipelinePlan) -> tuple:
     """Each launch's chunk stage, then its group's forward walk (lane 0) and backward walk (lane 1; not of
     plan.skip_bwd); a piece's launch walks the pieces plan.pieces.walks says are ready, each from its
-    neighbour's end state; then the joins."""
+    neighbour's end state; then the joins (plan.bwd_chunk: each group's followed by its kda_bwd_chunk)."""
     n = 0 if plan.pieces is None else len(plan.pieces.bounds) - 1
     nodes = []
     for i, p in plan.launches:
@@ -349,7 +377,7 @@ def _replay_nodes(plan: PipelinePlan) -> tuple:
                 if plan.skip_bwd else [(a, b)])
         nodes += [Walk("kda_bwd_walk", first=ra, end=rb, piece=None, start=Rows("dfinal_state", ra, rb),
                        into=Rows("dinitial_state", ra, rb), **bwd) for ra, rb in runs]
-    return tuple(nodes) + _joins(plan)
+    return tuple(nodes) + (_bwd_chunk_joins(plan) if plan.bwd_chunk else _joins(plan))
 
 
 def _segments(segments) -> tuple:
@@ -397,19 +425,25 @@ def _forward_plan(lengths: tuple, heads: int, sms: int, first: tuple, deferred: 
     return replace(plan, nodes=_forward_nodes(plan))
 
 
-def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False, skip_bwd=()) -> PipelinePlan:
+def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False, skip_bwd=(),
+                bwd_chunk: bool = False) -> PipelinePlan:
     """The replay's walks in the pipelined order: each group's forward and backward walks (two side
     streams, each planned on half the SMs) beside the later groups' chunk stage. pieced (the CP replay):
     the longest chain's chunk stage a piece at a time, first and last piece first, then the second and
     the last but one, ...: the forward walk goes through the pieces from the front, the backward walk
     from the back, so both start after one piece's chunk stage. skip_bwd (CP): segments whose backward
-    walk is left out. Cached: the same key gives the same (immutable) plan."""
+    walk is left out. bwd_chunk (one GPU): the plan launches kda_bwd_chunk too, each group's chunks once its
+    walks are done (_bwd_chunk_joins); not with pieces or skip_bwd (the CP replay: its backward walks are
+    not final there). Cached: the same key gives the same (immutable) plan."""
+    if bwd_chunk and (pieced or skip_bwd):
+        raise ValueError("bwd_chunk: only a replay without pieces or skipped backward walks (one GPU)")
     return _replay_plan(tuple(int(n) for n in chain_lengths), int(heads), int(sms), bool(pieced),
-                        _segments(skip_bwd), _planner_reads(bool(pieced)))
+                        _segments(skip_bwd), bool(bwd_chunk), _planner_reads(bool(pieced)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: tuple, reads: tuple) -> PipelinePlan:
+def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: tuple, bwd_chunk: bool,
+                 reads: tuple) -> PipelinePlan:
     groups = tuple(fit.plan_pipeline(lengths))
     half = max(1, sms // 2)
     chosen = fit.pieced_group(lengths, cp=True) if pieced else None
@@ -419,10 +453,11 @@ def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: t
         order = tuple(p for j in range((n + 1) // 2) for p in dict.fromkeys((j, n - 1 - j)))  # 0, n-1, 1, ...
         pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n))
     pieced = -1 if pieces is None else pieces.group
-    walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2, (), pieced)
+    walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2, (), pieced, bwd_chunk)
                                   for i in range(len(groups)))) for prog in _WALKS["replay"])
     plan = PipelinePlan("replay", lengths, heads, half, groups, _launch_order(groups, pieces, (), pieces is not None),
-                        pieces, walk_sms, skip_bwd=skip_bwd, pools=("replay/pipeline-fwd", "replay/pipeline-bwd"))
+                        pieces, walk_sms, skip_bwd=skip_bwd, bwd_chunk=bwd_chunk,
+                        pools=("replay/pipeline-fwd", "replay/pipeline-bwd"))
     return replace(plan, nodes=_replay_nodes(plan))
 
 
