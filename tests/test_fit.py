@@ -251,6 +251,9 @@ def test_pipelined_walk_sms(monkeypatch):
     # gives them, not the 66 of an unpieced group (full either way: the launches are the same)
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 1, 2, (), 0) == 34
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 1, 2, ()) == 32
+    # the forward's last group beside them: every earlier walk restricted (the pieced one on 32), so one SM per
+    # chain too (CP1 Q6: the same launches as forced full)
+    assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 1, 1, (), 0) == 32
     fit._decide.cache_clear()
     assert fit.plan_walk("kda_fwd_walk", (3125,), 32, 132, "auto") == (("quarter", 0, 1),)
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs

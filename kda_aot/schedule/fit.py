@@ -366,11 +366,9 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     a, b = groups[group]
     restricted = max(1, min(sms, heads * (b - a)))
     if group == len(groups) - 1:
-        # The earlier walks' budgets here are each group's as if none were pieced, as measured
-        # (docs/fit_rule.md); the pieced one's own budget changes three CP plans: docs/wip/cp-forward-last-group.
         in_pieces = group == pieced or last_group_pieces(chain_lengths, first) is not None
         if walks_beside == 1 and in_pieces and all(
-                pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first) < sms for g in range(group)):
+                pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first, pieced) < sms for g in range(group)):
             return restricted
         if walks_beside == 1:  # an earlier walk holds SMs: the last walk on every SM pays (docs/fit_rule.md)
             return sms
