@@ -330,5 +330,9 @@ def test_replay_plan_launches_bwd_chunk_behind_each_groups_walks(lengths):
                                                                  for n in replay_plan(lengths, 32, 132).nodes)
     if lengths == Q1:
         assert replay_plan(Q1, 32, 132).sms_of("kda_bwd_walk", 3) == 66 and plan.sms_of("kda_bwd_walk", 3) == 32
+        # the work beside the last walks is every other group's, wherever the last group sits in the pack
+        moved = (465, 1585, 641, 1216)
+        assert replay_plan(moved, 32, 132).sms_of("kda_bwd_walk", 3) == 66
+        assert replay_plan(moved, 32, 132, bwd_chunk=True).sms_of("kda_bwd_walk", 3) == 32
     with pytest.raises(ValueError, match="bwd_chunk: only a replay without pieces"):
         replay_plan(lengths, 32, 132, pieced=True, bwd_chunk=True)

@@ -1,8 +1,8 @@
 """The KDA backward's launch sequences: the backward walk (chunk_kda_bwd_walk), kda_bwd_chunk and
 kda_bwd_gate (chunk_kda_bwd), and the replay backward (replay_backward: the forward kernels again, their
-walks beside the backward walk, then the chunk-parallel backward), a head group at a time when memory is
-short. The chunk stage, the forward walk and the launch helpers are kda.py's (used through the module, so
-that a test's stand-ins for them reach this file too)."""
+walks beside the backward walk, kda_bwd_chunk a group at a time behind them, then kda_bwd_gate), a head group
+at a time when memory is short. The chunk stage, the forward walk and the launch helpers are kda.py's (used
+through the module, so that a test's stand-ins for them reach this file too)."""
 from __future__ import annotations
 
 import itertools
@@ -156,7 +156,8 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     half's outputs reuse the tape's memory (the autograd path; `saved` is spent afterwards).
     gate_form: one of GATE_FORMS (default: Options.gate_form, else the shipped split_staged).
     walk: [dtape, d_initial_state] when the backward walk has run already (the replay runs it beside
-    the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it.
+    the forward walk); emptied here, so that dtape is freed once kda_bwd_chunk has read it (dtape None with
+    parts).
     rewalk (with walk; context parallelism): segments whose walk ran from a stand-in exit-state
     gradient and runs again here from dfinal_state's rows, into walk's rows - beside kda_bwd_chunk
     over the other segments' chunks when fit.rewalk_beside says it hides there. Bitwise the same as
@@ -230,10 +231,10 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
     replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, aqk, V', (I+L)^-1 and aqk's diagonal residue:
-    1,540 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16, dKg, dAqk's diagonal, dbeta_v in fp32:
-    1,544 B a token), a head
-    group's input copies (q, k, v, dO, g, beta: 1,538 B a token), and the two fp32 state tapes
-    (128 KiB a chunk)."""
+    1,540 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks, which read
+    it: an over-count for the plain order, Options.pipeline off), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16,
+    dKg, dAqk's diagonal, dbeta_v in fp32: 1,544 B a token), a head group's input copies (q, k, v, dO, g, beta:
+    1,538 B a token), and the two fp32 state tapes (128 KiB a chunk)."""
     return T * (1540 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
 
 
@@ -326,7 +327,8 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
                             gate=None, beta_kind=kda.BETA_PLAIN, bwd_chunk=False):
     """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
-    planned on half the SMs as in replay_walks. Returns what replay_walks returns; bitwise the same. (kda_bwd_chunk
+    planned on half the SMs as in replay_walks. Returns what replay_walks returns (with bwd_chunk, a third value
+below); bitwise the same. (kda_bwd_chunk
     runs behind the walks only after the last chunk stage, bwd_chunk below: a group's as soon as its walks end,
     its chunk stage competed with the later groups' chunk stages and the step is bound by the sum of its
     kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
@@ -339,7 +341,7 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md).
     bwd_chunk (one GPU): the plan launches kda_bwd_chunk as well, each group's chunks once its walks are done,
     beside the later groups' walks (plan._bwd_chunk_joins); its outputs come third in what is returned
-    (chunk_kda_bwd's parts)."""
+    (chunk_kda_bwd's parts) and the walk's dtape is None (only kda_bwd_chunk read it)."""
     prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate,
                                         beta_kind=beta_kind)
     _check_dout(do, v)

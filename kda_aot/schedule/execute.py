@@ -20,7 +20,8 @@ class Call:
     """The tensors one run of a plan reads and writes. buffers: the state buffers the nodes' Rows name
     (initial_state, final_state, handoff, ...; the exchange node adds `entering`); outputs: the forward walk's
     (o, tape, vnew; None where not asked for); dout, dtape: the backward walk's; piece_chunks: the pieces' chunk
-    bounds on the device (int32); exchange: performs the RunExchange node (context parallelism)."""
+    bounds on the device (int32); exchange: performs the RunExchange node (context parallelism); bwd_chunk:
+    kda_bwd_chunk's tensors (backward.bwd_chunk_tensors) and form, which the BwdChunk nodes launch over."""
     prepared: dict
     buffers: dict
     outputs: dict
@@ -136,7 +137,8 @@ def _exchange(node: RunExchange, plan, call: Call, streams):
         call.buffers["entering"] = states.to(torch.float32).contiguous()
 
 
-_LAUNCHERS = {ChunkStage: _chunk_stage, BwdChunk: _bwd_chunk, Wait: _wait, Record: _record, WaitEvent: _wait_event, Walk: _walk,
+_LAUNCHERS = {ChunkStage: _chunk_stage, BwdChunk: _bwd_chunk, Wait: _wait, Record: _record, WaitEvent: _wait_event,
+              Walk: _walk,
               RunExchange: _exchange}
 
 

@@ -368,22 +368,28 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
     if group == len(groups) - 1:
         in_pieces = group == pieced or last_group_pieces(chain_lengths, first) is not None
         if walks_beside == 1 and in_pieces and all(
-                pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first, pieced) < sms for g in range(group)):
+                pipelined_walk_sms(program, chain_lengths, heads, sms, g, 1, first, pieced) < sms
+                for g in range(group)):
             return restricted
         if walks_beside == 1:  # an earlier walk holds SMs: the last walk on every SM pays (docs/fit_rule.md)
             return sms
-        if bwd_chunk and _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted,
-                                               sum(chain_lengths[:a]) * heads, "bwd_chunk_us_per_chunk_head", 2):
+        # every other group's chunks: plan_pipeline orders groups by their longest chain, not by pack position
+        others = (sum(chain_lengths) - sum(chain_lengths[a:b])) * heads
+        if bwd_chunk and _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted, others,
+                                               "bwd_chunk_us_per_chunk_head", 2):
             return restricted
         return max(restricted, sms - _held_by_earlier_walks(program, chain_lengths, heads, sms, walks_beside, first,
                                                             pieced))
+    if _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted, 0, "chunk_stage_us_per_chunk_head",
+                             walks_beside) is None:
+        return restricted
     if group == pieced:
         done = first_piece_chunks(chain_lengths[a]) * (2 if walks_beside == 2 and program == "kda_bwd_walk" else 1)
     else:
         done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
     outlasts = _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted,
                                      (sum(chain_lengths) - done) * heads, "chunk_stage_us_per_chunk_head", walks_beside)
-    return restricted if outlasts in (None, True) else sms
+    return restricted if outlasts else sms
 
 
 def _beside_work_outlasts(program: str, chains: tuple, heads: int, sms: int, restricted: int, chunk_heads: int,
