@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.packs import PACKS
-from bench.single import fla_gate_inputs, inputs
+from bench.single import inputs, training_call
 from kda_aot import chunk_kda
 
 pack = sys.argv[1] if len(sys.argv) > 1 else "Q1"
@@ -20,21 +20,11 @@ H = int(sys.argv[2]) if len(sys.argv) > 2 else 32
 call = sys.argv[3] if len(sys.argv) > 3 else "log_decay"
 q, k, v, g, beta, cu = inputs(PACKS[pack], H)
 do = torch.randn_like(v)
-if call == "fla_layer":
-    g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], H)
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, a_log, dt_bias)]
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+leaves, kw = training_call(q, k, v, g, beta, call)
 
-    def forward():
-        return chunk_kda(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], cu_seqlens=cu, **kw)[0]
-elif call == "log_decay":
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
 
-    def forward():
-        return chunk_kda(*leaves, cu_seqlens=cu, backward="replay")[0]
-else:
-    raise SystemExit(f"call: expected log_decay or fla_layer, got {call}")
-
+def forward():
+    return chunk_kda(*leaves[:5], cu_seqlens=cu, **kw)[0]
 
 def step():
     for x in leaves:

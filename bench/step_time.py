@@ -16,7 +16,7 @@ import torch
 
 from bench.common import interleaved, peak_gib
 from bench.packs import PACKS
-from bench.single import fla_gate_inputs, inputs
+from bench.single import inputs, training_call
 from kda_aot import chunk_kda
 
 CALLS = ("replay", "fla_layer")
@@ -26,14 +26,7 @@ def step_of(call: str, pack: str, H: int):
     """A training step's callable (forward, then backward of o against a fixed random do)."""
     q, k, v, g, beta, cu = inputs(PACKS[pack], H)
     cu_host = cu.cpu()
-    kw = dict(backward="replay")
-    if call == "fla_layer":
-        g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], H)
-        kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
-    if call == "fla_layer":
-        leaves += [a_log.clone().requires_grad_(), dt_bias.clone().requires_grad_()]
-        kw.update(A_log=leaves[5], dt_bias=leaves[6])
+    leaves, kw = training_call(q, k, v, g, beta, "log_decay" if call == "replay" else call)
     do = torch.randn_like(v)
 
     def step():

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.packs import PACKS
-from bench.single import fla_gate_inputs, inputs
+from bench.single import inputs, training_call
 from kda_aot import chunk_kda
 from kda_aot.schedule.kda import chunk_kda_fwd
 
@@ -59,15 +59,8 @@ def main():
     out_json = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
     q, k, v, g, beta, cu = inputs(PACKS[pack], H)
     cu = cu.cpu()
-    kw = dict(backward=mode)
-    if mode == "fla_layer":
-        g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], H)
-        kw = dict(backward="replay", use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=True)
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
-    if mode == "fla_layer":
-        leaves += [a_log.clone().requires_grad_(), dt_bias.clone().requires_grad_()]
-        kw.update(A_log=leaves[5], dt_bias=leaves[6])
+    leaves, kw = training_call(q, k, v, g, beta, "fla_layer" if mode == "fla_layer" else "log_decay",
+                               mode if mode in ("saved", "replay") else "replay")
     do = torch.randn_like(q)
 
     def step():

@@ -175,12 +175,9 @@ def chunk_kda_bwd(saved: dict, dout, dfinal_state=None, *, release=False, gate_f
     if release:
         for name in ("qg", "o", "final_state", "aqk_diag_lo"):  # (the walk's output stage alone reads the last)
             saved.pop(name, None)
-    if parts is not None:
-        pass  # launched by the replay's plan
-    elif rewalk:
-        parts = _bwd_chunk_rewalk(saved, dout, dfinal_state, dtape, dh0, sorted(rewalk))
-    else:
-        parts = chunk_kda_bwd_chunk(saved, dout, dtape)
+    if parts is None:  # else launched by the replay's plan
+        parts = (_bwd_chunk_rewalk(saved, dout, dfinal_state, dtape, dh0, sorted(rewalk)) if rewalk
+                 else chunk_kda_bwd_chunk(saved, dout, dtape))
     del dtape
     if release:
         for name in ("w", "u", "kg", "aqk", "vnew", "akk_inv", "tape", "gamma"):
@@ -328,10 +325,9 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
     planned on half the SMs as in replay_walks. Returns what replay_walks returns (with bwd_chunk, a third value
-below); bitwise the same. (kda_bwd_chunk
-    runs behind the walks only after the last chunk stage, bwd_chunk below: a group's as soon as its walks end,
-    its chunk stage competed with the later groups' chunk stages and the step is bound by the sum of its
-    kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
+    below); bitwise the same. (kda_bwd_chunk runs behind the walks only after the last chunk stage, bwd_chunk
+    below: launched as each group's walks ended, it competed with the later groups' chunk stages, and the step is
+    bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
     pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),

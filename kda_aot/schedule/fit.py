@@ -373,36 +373,38 @@ def pipelined_walk_sms(program: str, chain_lengths: tuple, heads: int, sms: int,
             return restricted
         if walks_beside == 1:  # an earlier walk holds SMs: the last walk on every SM pays (docs/fit_rule.md)
             return sms
-        # every other group's chunks: plan_pipeline orders groups by their longest chain, not by pack position
-        others = (sum(chain_lengths) - sum(chain_lengths[a:b])) * heads
-        if bwd_chunk and _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted, others,
-                                               "bwd_chunk_us_per_chunk_head", 2):
-            return restricted
+        if bwd_chunk:  # every other group's chunks: plan_pipeline orders groups by their longest chain
+            walk_us = _walk_on_every_sm_us(program, chain_lengths[a:b], heads, sms, restricted)
+            others = (sum(chain_lengths) - sum(chain_lengths[a:b])) * heads
+            if walk_us is not None and _outlasts(walk_us, others, "bwd_chunk_us_per_chunk_head", walks_beside):
+                return restricted
         return max(restricted, sms - _held_by_earlier_walks(program, chain_lengths, heads, sms, walks_beside, first,
                                                             pieced))
-    if _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted, 0, "chunk_stage_us_per_chunk_head",
-                             walks_beside) is None:
+    walk_us = _walk_on_every_sm_us(program, chain_lengths[a:b], heads, sms, restricted)
+    if walk_us is None:
         return restricted
     if group == pieced:
         done = first_piece_chunks(chain_lengths[a]) * (2 if walks_beside == 2 and program == "kda_bwd_walk" else 1)
     else:
         done = sum(chain_lengths[x] for g in groups[:group + 1] for x in range(*g))
-    outlasts = _beside_work_outlasts(program, chain_lengths[a:b], heads, sms, restricted,
-                                     (sum(chain_lengths) - done) * heads, "chunk_stage_us_per_chunk_head", walks_beside)
-    return restricted if outlasts else sms
+    rest = (sum(chain_lengths) - done) * heads
+    return restricted if _outlasts(walk_us, rest, "chunk_stage_us_per_chunk_head", walks_beside) else sms
 
 
-def _beside_work_outlasts(program: str, chains: tuple, heads: int, sms: int, restricted: int, chunk_heads: int,
-                          cost: str, walks_beside: int):
-    """Whether `chunk_heads` (chunk, head) pairs of chunk-parallel work (pipeline_params()[cost] each), slowed
-    beside the walks, outlast the walk of `chains` on every SM; None when there is nothing to decide (no costs
-    for this GPU, or one SM a chain is every SM)."""
+def _walk_on_every_sm_us(program: str, chains: tuple, heads: int, sms: int, restricted: int) -> float | None:
+    """The predicted time of the walk of `chains` planned on every SM (its fastest form), in microseconds; None
+    when there is nothing to decide: no costs for this GPU, or one SM a chain is every SM."""
     step, costs = walk_step_us(program), pipeline_params()
     if step is None or not costs or restricted == sms:
         return None
-    fast = min(predicted(chains, heads, sms, *measured_rho()[program]).values())
-    slowdown = costs["chunk_stage_slowdown_beside_walk"][walks_beside]
-    return slowdown * chunk_heads * costs[cost] > step * fast
+    return step * min(predicted(chains, heads, sms, *measured_rho()[program]).values())
+
+
+def _outlasts(walk_us: float, chunk_heads: int, cost: str, walks_beside: int) -> bool:
+    """Whether `chunk_heads` (chunk, head) pairs of chunk-parallel work (pipeline_params()[cost] each), slowed
+    beside `walks_beside` walks, take longer than `walk_us`: then the walk keeps one SM a chain."""
+    costs = pipeline_params()
+    return costs["chunk_stage_slowdown_beside_walk"][walks_beside] * chunk_heads * costs[cost] > walk_us
 
 
 def _held_by_earlier_walks(program: str, chain_lengths: tuple, heads: int, sms: int, walks_beside: int,
