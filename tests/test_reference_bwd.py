@@ -98,6 +98,38 @@ def test_bwd_matches_autograd_recurrent(gen, chunk_size, g_mode):
     check_grads(mine, theirs, f"seed {SEED} lens {lens}")
 
 
+@pytest.mark.parametrize("dfinal", [False, True])
+def test_empty_documents_pass_the_state_and_its_gradient(gen, dfinal):
+    """A zero-length document (cu_seqlens repeating a bound, first, inside and last in the pack): its final state
+    is its initial state and its initial state's gradient is its final state's, in the saved forward and the
+    explicit backward as through autograd of the recurrence; every other gradient as well."""
+    lens = [0, 70, 0, 0, 5, 0]
+    H, K, V = 2, 16, 8
+    q, k, v, g, beta, h0 = make_inputs(gen, lens, H, K, V, "rand", init=True)
+    do = torch.randn(1, sum(lens), H, V, generator=gen, dtype=F64)
+    dfs = torch.randn(len(lens), H, K, V, generator=gen, dtype=F64) if dfinal else None
+    saved, mine = explicit_grads(q, k, v, g, beta, h0, do, dfs, lens, chunk_size=64)
+    _, want = ref.kda_recurrent(q, k, v, g, beta, cu_seqlens=cu_of(lens), initial_state=h0, output_final_state=True)
+    assert rel_err(saved["final_state"], want) < REL_FP64
+    for n in (0, 2, 3, 5):
+        assert torch.equal(saved["final_state"][n], h0[n])
+        assert torch.equal(mine[5][n], dfs[n] if dfinal else torch.zeros_like(h0[n]))
+    theirs = autograd_grads("kda_recurrent", q, k, v, g, beta, h0, do, dfs, lens)
+    check_grads(mine, theirs, f"seed {SEED} lens {lens}")
+
+
+@pytest.mark.parametrize("fn", ["kda_recurrent", "kda_chunked"])
+def test_a_pack_of_empty_documents(gen, fn):
+    """T = 0 (every document empty): an empty output and the initial states as the final ones, as chunk_kda gives."""
+    lens = [0, 0]
+    q, k, v, g, beta, h0 = make_inputs(gen, lens, 2, 16, 8, "rand", init=True)
+    o, s = getattr(ref, fn)(q, k, v, g, beta, cu_seqlens=cu_of(lens), initial_state=h0, output_final_state=True)
+    assert o.shape == (1, 0, 2, 8) and o.dtype == F64
+    assert torch.equal(s, h0)
+    saved = ref.kda_chunked_fwd_saved(q, k, v, g, beta, cu_seqlens=cu_of(lens), initial_state=h0)
+    assert saved["o"].shape == (1, 0, 2, 8) and torch.equal(saved["final_state"], h0)
+
+
 @pytest.mark.parametrize("g_mode", ["rand", "mild"])
 def test_bwd_matches_autograd_k128(gen, g_mode):
     lens = rand_lens(gen, n_random=1)

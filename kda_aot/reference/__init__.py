@@ -5,7 +5,7 @@ Pure torch, fp64 by default (fp32 also works), CPU or GPU, differentiable by aut
 
 Layouts follow flash-linear-attention's chunk_kda:
     q, k  [1, T, H, K]     v  [1, T, H, V]     g  [1, T, H, K] (log decay, <= 0)
-    beta  [1, T, H]        cu_seqlens [N+1] (0 = c0 < c1 < ... < cN = T)
+    beta  [1, T, H]        cu_seqlens [N+1] (0 = c0 <= c1 <= ... <= cN = T: empty documents allowed)
     initial_state / final_state  [N, H, K, V]
 
 Per head and document (DESIGN.md §2):

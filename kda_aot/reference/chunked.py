@@ -175,7 +175,8 @@ def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
         zk = dict(dtype=dtype, device=q.device)
         sv = {
             "o": torch.zeros(1, T, H, V, **zk),
-            "final_state": torch.zeros(len(cu) - 1, H, K, V, **zk),
+            # an empty document's final state is the state it was given (no chunk writes it)
+            "final_state": torch.zeros(len(cu) - 1, H, K, V, **zk) if h0 is None else h0.clone(),
             "chunks": torch.tensor(table, dtype=torch.int64).reshape(n, 3),
             "S": torch.zeros(n, H, K, V, **zk),
             "gam": torch.zeros(n, H, K, **zk),
@@ -243,7 +244,9 @@ def kda_bwd_state_walk(saved: dict, do: torch.Tensor, dvp_local: torch.Tensor,
     N, H, K, V = saved["final_state"].shape
     scale = saved["scale"]
     dS_tape = torch.zeros_like(saved["S"])
-    dh0 = torch.zeros(N, H, K, V, dtype=dt, device=do.device)
+    # an empty document passes its final state's gradient through to its initial state (no chunk writes it)
+    dh0 = (torch.zeros(N, H, K, V, dtype=dt, device=do.device) if dfinal_state is None
+           else dfinal_state.to(dt).clone())
     cu = saved["cu_seqlens"]
     table = saved["chunks"].tolist()
     dS = None

@@ -129,6 +129,14 @@ def _to_head_first(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- KDA
 
+def _tokens(outs: list, join, H: int, V: int, dtype, device) -> torch.Tensor:
+    """The per-token (or per-chunk) outputs joined along tokens into [1, T, H, V]; [1, 0, H, V] for a pack of
+    empty documents (T = 0), which joins nothing."""
+    if not outs:
+        return torch.zeros(1, 0, H, V, dtype=dtype, device=device)
+    return join(outs, dim=0)[None]
+
+
 def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
                   initial_state: Optional[torch.Tensor] = None,
                   output_final_state: bool = False,
@@ -157,7 +165,7 @@ def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[fl
             S = S + bt[:, None, None] * kt[:, :, None] * err[:, None, :]
             outs.append(scale * torch.einsum("hk,hkv->hv", qt, S))
         finals.append(S)
-    o = torch.stack(outs, dim=0)[None]                                          # [1, T, H, V]
+    o = _tokens(outs, torch.stack, H, V, dtype, q.device)                       # [1, T, H, V]
     return o, (torch.stack(finals, dim=0) if output_final_state else None)
 
 
@@ -193,7 +201,7 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
             S = torch.exp(p["gam"])[:, :, None] * S + p["Kg"].transpose(1, 2) @ Vp
             outs.append(Oc.transpose(0, 1))                                     # [C, H, V]
         finals.append(S)
-    o = torch.cat(outs, dim=0)[None]
+    o = _tokens(outs, torch.cat, H, V, dtype, q.device)
     return o, (torch.stack(finals, dim=0) if output_final_state else None)
 
 
