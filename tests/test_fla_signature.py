@@ -5,6 +5,7 @@ tests/test_fla_signature_gpu.py); what is checked here is everything chunk_kda d
 FLA's formulas written out independently, values and gradients."""
 import inspect
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -202,7 +203,12 @@ def test_unserved_arguments_raise(reference_op):
               r"initial_state: expected shape \[N, 2, 128, 128\] \(\[N, HV, V, K\] with state_v_first=True\), "
               r"got \[1, 2, 128, 64\]"),
              (dict(cu_seqlens_cpu=torch.tensor([0, 32], dtype=x["cu"].dtype)), ValueError,
-              "cu_seqlens_cpu: must hold cu_seqlens' values")]
+              "cu_seqlens_cpu: must hold cu_seqlens' values"),
+             (dict(scale="x"), TypeError, "scale: expected a real number or None, got str"),
+             (dict(scale=True), TypeError, "scale: expected a real number or None, got bool"),
+             (dict(scale=float("nan")), ValueError, "scale: expected a finite number, got nan"),
+             (dict(scale=float("inf")), ValueError, "scale: expected a finite number, got inf"),
+             (dict(scale=torch.ones(2)), TypeError, r"scale: expected a real number, got a tensor of shape \[2\]")]
     for kw, err, match in cases:
         with pytest.raises(err, match=match):
             kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **kw)
@@ -232,6 +238,9 @@ def test_scale_and_initial_state_positionally(reference_op):
                                   cu_seqlens=x["cu"], transpose_state_layout=True)
     assert rel(sv.transpose(-1, -2), ws) < 1e-12
     assert not math.isnan(o.double().sum().item())
+    for scale in (torch.tensor(0.05, dtype=torch.float64), Fraction(1, 20)):  # a one-element tensor, any real number
+        o2, _ = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, scale, x["h0"], True, cu_seqlens=x["cu"])
+        assert rel(o2, want) < 1e-12
 
 
 def test_beta_logits_go_to_the_op(monkeypatch):

@@ -5,6 +5,9 @@ bindings check everything about it themselves, so they need no torch headers.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -50,6 +53,24 @@ def out_or(out: dict, name: str, make):
 def stream_of(t: torch.Tensor) -> int:
     """Raw handle of the current stream of t's device (0 for a CPU tensor, which bindings refuse)."""
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def checked_scale(scale, head_dim: int) -> float:
+    """The output scale as the ops take it: head_dim ** -0.5 for None, else a finite real number (a Python or
+    numpy number, or a one-element tensor) as a float; anything else raises, naming scale (a NaN scale would
+    be a NaN output, not an error)."""
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.is_complex() or scale.dtype == torch.bool:
+            raise TypeError(f"scale: expected a real number, got a tensor of shape {list(scale.shape)} and dtype {scale.dtype}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+    return scale
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:

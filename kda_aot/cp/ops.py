@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from ..ops.gate import activate
 from .._runtime.packing import PLANNED_FROM_HOST
+from .._runtime.tensor import checked_scale
 from . import keys
 from .backends import backend_name, get_backend
 from .collective import _Context, _cp_backward, _cp_forward, phase_times
@@ -175,7 +176,7 @@ def kda_config(q, plan: CPPlan, scale, backward: str, backend):
                         f"got {type(plan).__name__}")
     backend = get_backend(backend, like=q)
     K = q.shape[3] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
-    return backend, (K ** -0.5 if scale is None and K else scale)
+    return backend, (checked_scale(scale, K) if K else scale)
 
 
 def kda_facts(q, k, v, g, beta, initial_state, plan: CPPlan, scale, backward: str, backend):

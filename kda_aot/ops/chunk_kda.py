@@ -13,7 +13,7 @@ from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, kernel_beta, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, host_copy
-from .._runtime.tensor import require_cuda
+from .._runtime.tensor import checked_scale, require_cuda
 
 BACKWARD_MODES = ("replay", "saved")
 
@@ -111,6 +111,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         warnings.warn("transpose_state_layout is deprecated: use state_v_first", DeprecationWarning, stacklevel=2)
         state_v_first = bool(transpose_state_layout)
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
+    scale = checked_scale(scale, HEAD_DIM)
     if not isinstance(k, torch.Tensor):
         raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):  # first: the gate's and beta's shapes are checked against them
@@ -207,7 +208,6 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
         cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
             cu_seqlens if torch.compiler.is_compiling() else host_copy(cu_seqlens))
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
-    scale = HEAD_DIM ** -0.5 if scale is None else float(scale)
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
