@@ -15,7 +15,10 @@ import torch
 try:
     from fla.backends import BaseBackend, register
     from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
-except ImportError as e:  # FLA absent, or one without the backend dispatch (before 0.6.0)
+except ImportError as e:  # FLA absent, one without the backend dispatch (before 0.6.0), or a dependency of FLA absent
+    if e.name and e.name.partition(".")[0] != "fla":
+        raise ImportError(f"kda_aot.fla: flash-linear-attention is installed but cannot be imported: it needs "
+                          f"{e.name!r}, which is missing ({e})") from e
     raise ImportError(f"kda_aot.fla registers kda_aot with flash-linear-attention's backend dispatch, which it "
                       f"could not import ({e}): it needs fla-core 0.6.0 (pip install fla-core==0.6.0)") from e
 

@@ -118,3 +118,25 @@ def test_the_switch_turns_it_off(fake_fla, monkeypatch):
     assert fla_chunk_kda(*_call()) == "kda_aot" and seen == [1]
     monkeypatch.setenv("FLA_KDA_AOT", "0")
     assert fla_chunk_kda(*_call()) == "triton"
+
+
+@pytest.mark.parametrize("missing,match", [
+    ("triton", r"flash-linear-attention is installed but cannot be imported: it needs 'triton', which is missing"),
+    ("fla", r"it needs fla-core 0.6.0 \(pip install fla-core==0.6.0\)"),
+])
+def test_an_import_failure_names_what_is_missing(monkeypatch, missing, match):
+    """FLA absent: install fla-core; FLA present but a dependency of it (Triton) absent: that dependency, not
+    fla-core."""
+    def find_failing(name, *args, **kwargs):
+        if name.partition(".")[0] == "fla":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real_import(name, *args, **kwargs)
+
+    import builtins
+    real_import = builtins.__import__
+    for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "kda_aot.fla", raising=False)
+    monkeypatch.setattr(builtins, "__import__", find_failing)
+    with pytest.raises(ImportError, match=match):
+        importlib.import_module("kda_aot.fla")
