@@ -59,7 +59,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
             raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     if cu_seqlens is not None:
         if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
-            raise ValueError(f"cu_seqlens: on {cu_seqlens.device}; expected the CPU or {q.device}")
+            where = "the CPU" if q.device.type == "cpu" else f"the CPU or {q.device}"
+            raise ValueError(f"cu_seqlens: on {cu_seqlens.device}; expected {where}")
     if cu_seqlens_cpu is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_cpu: give cu_seqlens too (cu_seqlens_cpu is its copy on the CPU)")
