@@ -43,8 +43,13 @@ def round_order(names, round_index: int) -> list:
     return names if round_index % 2 == 0 else names[::-1]
 
 
-def interleaved(arms: dict, iters: int = 20, warmup: int = 3) -> dict:
-    """{name: callable} -> {name: median ms}; every iteration times each arm once (round_order)."""
+_SLEEP_CYCLES_PER_S = 2.0e9  # torch.cuda._sleep counts SM clocks (~1.98 GHz on the H200): about the time asked
+
+
+def interleaved(arms: dict, iters: int = 20, warmup: int = 3, busy_start_ms: float = 0.0) -> dict:
+    """{name: callable} -> {name: median ms}; every iteration times each arm once (round_order).
+    busy_start_ms: a sleep kernel that long queued before each start event, so that the host issues the arm's
+    launches while the GPU is still busy: the time then leaves out whatever host time an idle GPU would wait for."""
     for _ in range(warmup):
         for fn in arms.values():
             fn()
@@ -54,6 +59,8 @@ def interleaved(arms: dict, iters: int = 20, warmup: int = 3) -> dict:
         for name in round_order(arms, i):
             fn = arms[name]
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if busy_start_ms:
+                torch.cuda._sleep(int(busy_start_ms * 1e-3 * _SLEEP_CYCLES_PER_S))
             start.record()
             fn()
             stop.record()

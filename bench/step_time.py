@@ -6,9 +6,11 @@ kernel change between two trees (bench/patch_ab.sh's `cmd` step reads the `timin
                logits activated in the kernels, q and k L2-normalised in the call (its replay backward)
 
 CUDA events around the forward + backward from an idle GPU (what bench/fla_layer.py times as the layer's call),
-medians of --iters, fresh random inputs each run; prints `timing PACK CALL MS PEAK_GIB`.
+medians of --iters, fresh random inputs each run; prints `timing PACK CALL MS PEAK_GIB`. --busy-start adds a row
+`busy_start PACK CALL MS`: the same step with the GPU kept busy while the host issues it (the difference is the
+host time an idle GPU waits for).
 
-    python3 bench/step_time.py [--pack Q1,Q2 | all] [--calls replay,fla_layer] [--iters 10] [--heads 32]
+    python3 bench/step_time.py [--pack Q1,Q2 | all] [--calls replay,fla_layer] [--iters 10] [--heads 32] [--busy-start]
 """
 import argparse
 
@@ -42,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--calls", default=",".join(CALLS))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--busy-start", action="store_true", help="also time each step issued beside a 60 ms sleep kernel")
     a = ap.parse_args(argv)
     packs = sorted(PACKS) if a.pack == "all" else a.pack.split(",")
     calls = a.calls.split(",")
@@ -56,6 +59,9 @@ def main(argv=None):
             peak = peak_gib(step)
             ms = interleaved({call: step}, iters=a.iters, warmup=2)[call]
             print(f"timing {pack} {call} {ms:.3f} {peak:.1f}", flush=True)
+            if a.busy_start:
+                busy = interleaved({call: step}, iters=a.iters, warmup=1, busy_start_ms=60)[call]
+                print(f"busy_start {pack} {call} {busy:.3f}", flush=True)
             del step
             torch.cuda.empty_cache()
 
