@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
 import test_cp_gloo as G  # noqa: E402
+from cp_cases import gen_for  # noqa: E402
 from bench.numerics import gate as numerics_gate  # noqa: E402
 from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
@@ -51,7 +52,7 @@ _JOB = {}
 def inputs(pack, gate="log-uniform"):
     """The pack's inputs: g log-uniform in [-5, -0.007] and beta in [0, 1), or one of STRONG_GATES with beta
     in [0, 2) (FLA's allow_neg_eigval range)."""
-    gen = G.gen_for("cuda-cp", pack) if gate == "log-uniform" else G.gen_for("cuda-cp", pack, gate)
+    gen = gen_for("cuda-cp", pack) if gate == "log-uniform" else gen_for("cuda-cp", pack, gate)
     n, N = sum(PACKS[pack]), len(PACKS[pack])
     return {"q": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
             "k": F.normalize(torch.randn(1, n, H, K, generator=gen), dim=-1).to(torch.bfloat16),
@@ -78,7 +79,7 @@ def expected(pack, gate="log-uniform"):
 @functools.lru_cache(maxsize=None)
 def module_case(pack):
     """PackedKDA inputs (bf16 activations), weights, and the fp64 single-device reference module."""
-    gen = G.gen_for("cuda-cp-module", pack)
+    gen = gen_for("cuda-cp-module", pack)
     n, D = sum(PACKS[pack]), H * K
     torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
     ref = PackedKDA(H, K, conv_bias=True).double()

@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
 from cp_cases import (FLA_CASES, H, K, MAIN_PACKS, PACKS, SEED, conv_expected, conv_inputs, cu_of,  # noqa: E402
                       fla_expected, fla_inputs, kda_expected, kda_inputs, module_expected, module_inputs)
-from cp_cases import gen_for  # noqa: E402,F401  (test_cp_cuda_ranks reads it here)
 from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 from kda_aot.schedule.kda import GATE_FLOOR  # noqa: E402
