@@ -98,3 +98,10 @@ for mode in ("saved", "replay"):
     torch.autograd.backward((o, ht), (do, dht))
 torch.cuda.synchronize()
 print("sanitize_kda: ok")
+# the replay's chunk stage from what the forward kept (kda_fwd_chunk/replay), with the gate and beta activated
+# and grouped value heads (q and k of one head, v of two)
+qk = [x[:, :, :1].clone().requires_grad_() for x in (q, k)]
+gated = [x.clone().requires_grad_() for x in (v, raw.to(torch.bfloat16), logits.to(torch.bfloat16))]
+chunk_kda(*qk, gated[0], gated[1], gated[2], A_log=torch.randn(H, device="cuda"),
+          dt_bias=torch.randn(H * 128, device="cuda"), use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+          cu_seqlens=cu.cpu(), backward="replay")[0].backward(do)

@@ -45,6 +45,8 @@ _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo",
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
                                          "aqk", "aqk_diag_lo", "gamma"), gate=True, beta=True),
+    "kda_fwd_chunk/replay": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg",
+                                                "kg", "gamma", "inv_pack", "akk_inv"), gate=True, beta=True),
     # kda_fwd_walk also needs aqk_diag_lo when it writes o (the binding checks: the replay's walk writes none)
     "kda_fwd_walk": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "u", "qg", "kg", "aqk", "gamma")),
     "kcp_transfer": Binding(_FWD_ARGS, ("q", "chunks", "seg_chunks", "w", "kg", "gamma", "transfer")),
@@ -85,7 +87,7 @@ class Record:
     @property
     def binding(self) -> Binding | None:
         key = f"{self.program}/{self.params['columns']}" if self.program == "kda_bwd_gate" else self.program
-        return BINDINGS.get(key)
+        return BINDINGS.get(f"{self.program}/{self.form}") or BINDINGS.get(key)
 
     @property
     def templates(self) -> dict:
@@ -148,11 +150,15 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
                    "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 1},
            select=_VARIANT, grid=_BWD_GRID, shipped=False),
     # The chunk stage: its schedule and what it won against the forms before it (deleted): docs/forward.md.
-    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "profile": False},
+    Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "profile": False, "replay": False},
            select="always: Akk/Aqk tiles spread over the warps by table, Gamma in log2 units, the Akk/Aqk "
                   "operands as packed bf16 products, (I + L)^-1 on the tensor cores in 3xTF32",
            grid="(n_chunks, H) CTAs of 256 threads; Akk/Aqk phase: warp -> (row block, column tiles) by table"),
-    Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "profile": True},
+    # The replay's chunk stage: tril(Aqk) and inv_pack (T_c and (I + L)^-1) from the forward, not formed again.
+    Record(program="kda_fwd_chunk", form="replay", params={"threads": 256, "profile": False, "replay": True},
+           select="the replay backward's chunk stage, when the forward kept aqk and inv_pack (chunk_kda's replay)",
+           grid="as lean"),
+    Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "profile": True, "replay": False},
            select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
            grid="as lean", shipped=False),
     # Walk forms (issue 5): with few chains, quarter (at most SM/4) and split (at most SM/2) walk a chain

@@ -33,7 +33,8 @@ def reference_op(monkeypatch):
     calls = []
 
     def fake(saved):
-        def run(q, k, v, g, beta, h0, cu, scale, output_final_state, beta_kind=kda.BETA_PLAIN):
+        def run(q, k, v, g, beta, h0, cu, scale, output_final_state, beta_kind=kda.BETA_PLAIN, keep=False):
+            assert not (saved and keep)  # the replay's forward alone keeps what the replay reads
             calls.append("saved" if saved else "replay")
             if beta_kind != kda.BETA_PLAIN:  # the kernels' activation of the logits, as FLA's: fp32 sigmoid, unrounded
                 beta = beta_sigmoid(beta, beta_kind == kda.BETA_SIGMOID_2, torch.float32)

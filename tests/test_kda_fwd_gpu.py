@@ -265,3 +265,64 @@ def test_pipelined_forward_gradients_bitwise(kda_options, mode):
         results.append([o.detach(), ht.detach()] + [x.grad for x in leaves])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("case", ["rand", "neg5", "zero", "softplus-gva", "sigmoid-beta2"])
+def test_replay_chunk_stage_is_bitwise_the_forwards(pack, case):
+    """kda_fwd_chunk/replay, reading the forward's tril(Aqk) and inv_pack, writes the W, U, Q e^Gamma,
+    K e^(gamma - Gamma), gamma and (I + L)^-1 of the saved-context forward bit for bit (every output poisoned),
+    and lean writes the same with inv_pack as without (with the gate and beta activated, and grouped value heads)."""
+    from kda_aot.schedule import kda
+    gen = rng(("replay-stage", pack, case))
+    lens, HV = PACKS[pack], 4
+    Hqk = 2 if case == "softplus-gva" else HV
+    q, k, v, g, beta, cu, _ = make(lens, HV, "rand" if "-" in case else case, gen, False)
+    q, k = q[:, :, :Hqk].contiguous(), k[:, :, :Hqk].contiguous()
+    gate, beta_kind = None, kda.BETA_PLAIN
+    if case == "softplus-gva":
+        g = (4 * torch.randn(g.shape, device="cuda", generator=gen)).to(torch.bfloat16)
+        gate = kda.GateActivation(kda.GATE_SOFTPLUS, torch.randn(HV, device="cuda", generator=gen),
+                                  torch.randn(HV, 128, device="cuda", generator=gen))
+    elif case == "sigmoid-beta2":
+        g = 3 * torch.randn(g.shape, device="cuda", generator=gen)
+        gate = kda.GateActivation(kda.GATE_SIGMOID, None, None, -4.0)
+        beta, beta_kind = 3 * torch.randn(beta.shape, device="cuda", generator=gen), kda.BETA_SIGMOID_2
+
+    def run(**kw):
+        t = kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, gate=gate, beta_kind=beta_kind, **kw)
+        for name in _STAGE_OUTPUTS:  # (not what the replay reads from the forward)
+            if t.get(name) is not None and name not in kw.get("kept", {}):
+                t[name].copy_(poisoned(t[name]))
+        kda._launch_chunk_stage(t, None)
+        return t
+    saved = run(save_tape=True)
+    forward = run(save_tape=False, keep=True)
+    replay = run(save_tape=True, kept={"aqk": forward["aqk"], "inv_pack": forward["inv_pack"]})
+    assert replay["chunk_form"] == "replay"
+    for name in ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma"):
+        assert torch.equal(forward[name], saved[name]), f"lean with inv_pack: {name}"
+    for name in ("w", "u", "qg", "kg", "gamma", "akk_inv"):
+        assert torch.equal(replay[name], saved[name]), f"replay: {name}"
+    for name in ("w", "u", "akk_inv"):
+        assert torch.isfinite(replay[name]).all(), name
+
+
+_STAGE_OUTPUTS = ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "akk_inv", "inv_pack")
+
+
+def test_replay_chunk_stage_refuses_what_it_cannot_read():
+    """The forward's tensors of the wrong shape are named before any launch; the forward's lean form refuses
+    akk_inv and inv_pack together (one staging tile writes either)."""
+    from kda_aot.schedule import kda
+    q, k, v, g, beta, cu, _ = make([70, 3], 2, "rand", rng("replay-refuse"), False)
+    aqk = torch.zeros(1, 73, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="inv_pack: expected the forward's"):
+        kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True,
+                                 kept={"aqk": aqk, "inv_pack": aqk[:, :72]})
+    with pytest.raises(ValueError, match="keep: the replay's forward"):
+        kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True, keep=True)
+    t = kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True)
+    t["inv_pack"] = torch.empty_like(aqk)
+    with pytest.raises(ValueError, match="akk_inv and inv_pack given"):
+        kda._launch_chunk_stage(t, None)

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda_aot
-from kda_aot.ops.chunk_kda_ops import SAVED, max_chunks
+from kda_aot.ops.chunk_kda_ops import KEPT, SAVED, max_chunks
 from kda_aot._runtime.packing import CHUNK, chunk_table
 
 OPS = torch.ops.kda_aot
@@ -35,20 +35,25 @@ def test_max_chunks_bounds_the_chunk_count(lens):
     assert len(chunks) // 2 <= max_chunks(sum(lens), len(lens))
 
 
-@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize("mode", ["inference", "replay", "saved"])
 @pytest.mark.parametrize("final", [False, True])
-def test_forward_fakes_give_the_real_shapes(saved, final):
+def test_forward_fakes_give_the_real_shapes(mode, final):
     T, H, N = 200, 2, 3
+    saved = mode == "saved"
     with FakeTensorMode():
         q = torch.empty(1, T, H, 128, dtype=BF)
         g, beta = torch.empty(1, T, H, 128), torch.empty(1, T, H, dtype=BF)
         cu = torch.empty(N + 1, dtype=torch.int64)
-        op = OPS.chunk_kda_fwd_saved if saved else OPS.chunk_kda_fwd
-        out = op(q, q, q, g, beta, None, cu, 0.1, final)
+        if saved:
+            out = OPS.chunk_kda_fwd_saved(q, q, q, g, beta, None, cu, 0.1, final)
+        else:
+            out = OPS.chunk_kda_fwd(q, q, q, g, beta, None, cu, 0.1, final, keep=mode == "replay")
         o, fs = out[:2]
         assert o.shape == (1, T, H, 128) and o.dtype == BF and o.is_contiguous()
         assert fs.shape == ((N, H, 128, 128) if final else (0,)) and fs.dtype == torch.float32
-        assert len(out) == 2 + (len(SAVED) if saved else 0)
+        assert len(out) == 2 + (len(SAVED) if saved else len(KEPT))
+        if not saved:  # what the replay reads from the forward, or two [0] without keep
+            assert all(x.shape == ((1, T, H, 64) if mode == "replay" else (0,)) for x in out[2:])
         if saved:
             context = dict(zip(SAVED, out[2:]))
             rows = T // CHUNK + N

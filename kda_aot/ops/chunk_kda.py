@@ -99,7 +99,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     allow_neg_eigval). use_qk_l2norm_in_kernel: q and k L2-normalised per head first (differentiably).
     safe_gate: FLA's hint that gates are bounded (with use_gate_in_kernel it needs lower_bound in
     [-5, 0)); our kernels are exact for every g <= 0 and need no hint.
-    backward (ours): "replay" keeps only the inputs and reruns the forward kernels in the backward (a
+    backward (ours): "replay" keeps the inputs and each chunk's tril(Aqk) and (I + L)^-1 (256 bytes a token-head,
+    as FLA's default keeps its Aqk and Akk) and reruns the rest of the forward kernels in the backward (a
     head group at a time when memory is short); "saved" keeps the tape and the chunk intermediates,
     as FLA's disable_recompute=True. The two give bitwise equal gradients.
     Not served, with an error naming them: cp_context (kda_aot.cp.chunk_kda_cp is the context-parallel
@@ -214,5 +215,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
     # a keyword only where the call needs it: the plain call's op call as it was
     kwargs = {"beta_kind": beta_kind} if beta_kind != kda.BETA_PLAIN else {}
+    if wants_grad and backward != "saved":  # the replay's forward keeps tril(Aqk) and inv_pack (chunk_kda_ops.KEPT)
+        kwargs["keep"] = True
     o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **kwargs)[:2]
     return o.reshape(B, T, *o.shape[2:]), (final if output_final_state else None)

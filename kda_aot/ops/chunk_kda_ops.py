@@ -26,6 +26,9 @@ from .._runtime.tensor import require_cuda
 # The saved context of backward="saved": the chunk stage's and the forward walk's outputs that the
 # backward reads, in the order the saved ops return and take them.
 SAVED = ("w", "u", "qg", "kg", "aqk", "gamma", "akk_inv", "tape", "vnew")
+# What the forward of backward="replay" keeps beside its inputs, so that the replay's chunk stage forms neither
+# Aqk nor (I + L)^-1 again (kda._chunk_stage_tensors): 256 bytes a token-head, FLA's Aqk and Akk.
+KEPT = ("aqk", "inv_pack")
 _PER_CHUNK_SAVED = ("gamma", "tape")
 
 
@@ -82,9 +85,9 @@ def _entering_decay(g: Tensor, tables, gate=None) -> Tensor:
 # ------------------------------------------------------------------------------------ forward
 
 def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, save, gate,
-             beta_kind=kda.BETA_PLAIN):
+             beta_kind=kda.BETA_PLAIN, keep=False):
     """o, final_state (or [0]), with save the saved context (SAVED order, per-chunk tensors over
-    max_chunks rows)."""
+    max_chunks rows), with keep what the replay reads from the forward (KEPT order)."""
     q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
     T, H = v.shape[1], v.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
@@ -99,7 +102,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         for x in full.values():  # the rows past the pack's chunks hold zeros, not leftover memory
             x[C:].zero_()
     if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
-        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save)
+        o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save, keep)
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
         return (o, final, *(x.zero_() for x in context))
@@ -107,23 +110,27 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
                                         output_final_state=output_final_state, save_tape=save, out=out, gate=gate,
-                                        beta_kind=beta_kind)
+                                        beta_kind=beta_kind, keep=keep)
     if final is not None:
         final = tables.document_rows(final, h0)
     final = _no_state(q) if final is None else final
+    if keep:
+        return (o, final, *(saved[name] for name in KEPT))
     if not save:
-        return o, final
+        return o, final, _no_state(q), _no_state(q)
     return (o, final, *(full.get(name, saved[name]) for name in SAVED))
 
 
-def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save):
+def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save, keep=False):
     """Shapes from v (H: the value heads)."""
     q = v
     T, H, N = q.shape[1], q.shape[2], cu_seqlens.shape[0] - 1
     o = q.new_empty(q.shape, dtype=torch.bfloat16)
     final = q.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(q)
+    if keep:
+        return (o, final, *(q.new_empty((1, T, H, CHUNK), dtype=torch.bfloat16) for _ in KEPT))
     if not save:
-        return o, final
+        return o, final, _no_state(q), _no_state(q)
     rows = max_chunks(T, N)
     token = lambda width: q.new_empty((1, T, H, width), dtype=torch.bfloat16)  # noqa: E731
     shapes = {"gamma": q.new_empty((rows, H, HEAD_DIM), dtype=torch.float32),
@@ -143,16 +150,17 @@ def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save):
 def chunk_kda_fwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, output_final_state: bool, A_log: Optional[Tensor] = None,
                      dt_bias: Optional[Tensor] = None, gate_kind: int = 0, lower_bound: float = 0.0,
-                     beta_kind: int = 0) -> tuple[Tensor, Tensor]:
-    """(o, final_state or [0]); the backward replays the forward kernels from the inputs."""
+                     beta_kind: int = 0, keep: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(o, final_state or [0], *KEPT with keep, else two [0]); the backward replays the forward kernels from the
+    inputs and what keep kept."""
     return _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, False,
-                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), beta_kind)
+                    _gate_of(A_log, dt_bias, gate_kind, lower_bound), beta_kind, keep)
 
 
 @chunk_kda_fwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, beta_kind=0):
-    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, False)
+      gate_kind=0, lower_bound=0.0, beta_kind=0, keep=False):
+    return _fake_forward(v, initial_state, cu_seqlens, output_final_state, False, keep)
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_fwd_saved", mutates_args=(), tags=PLANNED_FROM_HOST)
@@ -210,18 +218,20 @@ def _zero_gate_grads(q, gate):
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                      cu_seqlens: Tensor, scale: float, do: Tensor, dfinal_state: Optional[Tensor],
                      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, gate_kind: int = 0,
-                     lower_bound: float = 0.0, beta_kind: int = 0
+                     lower_bound: float = 0.0, beta_kind: int = 0, aqk: Optional[Tensor] = None,
+                     inv_pack: Optional[Tensor] = None
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Replay backward: the forward kernels again, then the backward ones. (dq, dk, dv, dg, dbeta,
-    d_initial_state or [0], dA_log or [0], ddt_bias or [0])."""
+    """Replay backward: the forward kernels again (from aqk and inv_pack when the forward kept them), then the
+    backward ones. (dq, dk, dv, dg, dbeta, d_initial_state or [0], dA_log or [0], ddt_bias or [0])."""
     q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, initial_state, do, dfinal_state)
     gate = _gate_of(A_log, dt_bias, gate_kind, lower_bound)
     tables = kda.tables_of(cu_seqlens, q.shape[1], q.device)
     if tables.n_segments == 0:
         return _empty_backward(q, k, v, g, beta, tables, h0, dht, gate)
     h0, decay = _entering(h0, g, tables, gate)
+    kept = None if aqk is None else {"aqk": aqk.contiguous(), "inv_pack": inv_pack.contiguous()}
     grads = kda_backward.replay_backward(q, k, v, g, beta, h0, tables, scale, do, tables.segment_rows(dht), gate,
-                                         beta_kind=beta_kind)
+                                         beta_kind=beta_kind, kept=kept)
     return _backward_result(q, beta, tables, grads, decay, dht)
 
 
@@ -239,7 +249,7 @@ def _fake_backward(q, k, v, g, beta, initial_state, gate_kind):
 
 @chunk_kda_bwd_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, do, dfinal_state, A_log=None, dt_bias=None,
-      gate_kind=0, lower_bound=0.0, beta_kind=0):
+      gate_kind=0, lower_bound=0.0, beta_kind=0, aqk=None, inv_pack=None):
     return _fake_backward(q, k, v, g, beta, initial_state, gate_kind)
 
 
@@ -276,7 +286,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gam
 # ----------------------------------------------------------------------------------- autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound, beta_kind = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound, beta_kind = inputs[:14]
     ctx.scale, ctx.gate_kind, ctx.lower_bound, ctx.beta_kind = scale, gate_kind, lower_bound, beta_kind
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
@@ -293,16 +303,18 @@ def _backward(ctx, do, dfinal_state, *_):
     gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
     # a keyword only where the call needs it: beta's activation
     kwargs = {"beta_kind": ctx.beta_kind} if ctx.beta_kind != kda.BETA_PLAIN else {}
-    if context:
+    if len(context) == len(SAVED):
         grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate,
                                        **kwargs)
-    else:
+    else:  # the replay, from what the forward kept (a call without keep kept two [0])
+        if context[0].dim() == 4:
+            kwargs.update(zip(KEPT, context))
         grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate, **kwargs)
     dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = grads
     gated = ctx.gate_kind != kda.GATE_RAW
     return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
             da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
-            None, None, None)  # gate_kind, lower_bound, beta_kind
+            None, None, None, *(None,) * (len(ctx.needs_input_grad) - 14))  # gate_kind, lower_bound, beta_kind, keep
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -305,23 +305,24 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     return saved, walk
 
 
-def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN):
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN, kept=None):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage unless Options.pipeline is off, kda_bwd_chunk then a group at a time behind them), then
-    the chunk-parallel backward. Bitwise the same as the saved-context backward."""
+    the chunk-parallel backward. Bitwise the same as the saved-context backward. kept: the forward's aqk and
+    inv_pack (kda._chunk_stage_tensors), or None: the chunk stage forms them again."""
     if kda._pipeline_on():
         saved, walk, parts = replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate,
-                                                    beta_kind=beta_kind, bwd_chunk=True)
+                                                    beta_kind=beta_kind, bwd_chunk=True, kept=kept)
         return chunk_kda_bwd(saved, do, dht, release=True, walk=walk, parts=parts)
     prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
-                                     save_tape=True, gate=gate, beta_kind=beta_kind)
+                                     save_tape=True, gate=gate, beta_kind=beta_kind, kept=kept)
     saved, walk = replay_walks(prepared, h0, do, dht)
     del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
 def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
-                            gate=None, beta_kind=kda.BETA_PLAIN, bwd_chunk=False):
+                            gate=None, beta_kind=kda.BETA_PLAIN, bwd_chunk=False, kept=None):
     """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
     planned on half the SMs as in replay_walks. Returns what replay_walks returns (with bwd_chunk, a third value
@@ -337,9 +338,10 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     chunk stage instead of the whole chain's, which otherwise runs alone before them (docs/cp.md).
     bwd_chunk (one GPU): the plan launches kda_bwd_chunk as well, each group's chunks once its walks are done,
     beside the later groups' walks (plan._bwd_chunk_joins); its outputs come third in what is returned
-    (chunk_kda_bwd's parts) and the walk's dtape is None (only kda_bwd_chunk read it)."""
+    (chunk_kda_bwd's parts) and the walk's dtape is None (only kda_bwd_chunk read it).
+    kept: as _replay_step's."""
     prepared = kda._chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, h0, True, gate=gate,
-                                        beta_kind=beta_kind)
+                                        beta_kind=beta_kind, kept=kept)
     _check_dout(do, v)
     do = do.contiguous()  # once, not per group
     H = v.shape[2]
@@ -362,17 +364,19 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     return saved, [None, dh0], {name: launched[0][name] for name in _BWD_CHUNK_OUTPUTS}
 
 
-def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN):
+def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN,
+                    kept=None):
     """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs). With
     gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
     (_gate_result). With grouped value heads a head group is whole q, k heads, each with its value heads.
-    beta_kind (kda.BETA_KINDS): beta is the logits and dbeta their gradient."""
+    beta_kind (kda.BETA_KINDS): beta is the logits and dbeta their gradient. kept: what the forward kept for the
+    replay's chunk stage ({"aqk", "inv_pack"}: kda._chunk_stage_tensors), or None."""
     T, H = v.shape[1], v.shape[2]
     G = H // q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
     groups = [(a * G, b * G) for a, b in _replay_groups(T, q.shape[2], G, tables.chunks.shape[0], q.device)]
     if len(groups) == 1:
-        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate, beta_kind)
+        return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate, beta_kind, kept)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
              None if h0 is None and dht is None else
@@ -387,7 +391,7 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None,
         qk = lambda x: x[:, :, a // G:b // G].contiguous()  # noqa: E731
         got = _replay_step(qk(q), qk(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
                            cu_seqlens, scale, part(do), state(dht), None if gate is None else gate.heads(a, b),
-                           beta_kind)
+                           beta_kind, None if kept is None else {name: part(x) for name, x in kept.items()})
         for full, x in zip(grads[:2], got[:2]):
             full[:, :, a // G:b // G].copy_(x)
         for full, x in zip(grads[2:5], got[2:5]):

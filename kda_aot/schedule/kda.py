@@ -210,7 +210,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
 
 # Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
 # test-only records measured against it (bench/forms_ab.py).
-CHUNK_FORM = "lean"                                    # kda_fwd_chunk (lean_prof: bench/chunk_profile.py)
+CHUNK_FORM = "lean"  # kda_fwd_chunk (`replay`: the replay's stage, _chunk_stage_tensors; lean_prof: bench/chunk_profile.py)
 BWD_CHUNK_FORMS = ("prefetch", "default")            # kda_bwd_chunk
 GATE_FORMS = ("split_staged", "full")  # kda_bwd_gate
 
@@ -224,35 +224,52 @@ def _pick_form(what: str, form, forms: tuple) -> str:
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      beta_kind=BETA_PLAIN):
+                      beta_kind=BETA_PLAIN, kept=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    beta_kind: one of BETA_KINDS."""
+    beta_kind: one of BETA_KINDS; kept: as _chunk_stage_tensors'."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             beta_kind=beta_kind)
+                             beta_kind=beta_kind, kept=kept)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
-                         gate: Optional[GateActivation] = None, beta_kind: int = BETA_PLAIN) -> dict:
+                         gate: Optional[GateActivation] = None, beta_kind: int = BETA_PLAIN, *, keep: bool = False,
+                         kept: Optional[dict] = None) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
     preallocated gamma; gate: the gate's activation (g the raw gate), beta_kind: beta's activation (beta the
-    logits), both kept for the backward."""
+    logits), both kept for the backward.
+    keep (the forward of a replay training call): the stage also writes inv_pack, which the replay reads with
+    tril(Aqk) (the forward's aqk) instead of forming both again. kept ({"aqk", "inv_pack"} from such a forward;
+    with save_tape): the replay's chunk stage, form `replay`, reading them; it writes (I + L)^-1 for kda_bwd_chunk
+    and neither aqk nor aqk_diag_lo (only the forward walk's output stage reads the last)."""
     if beta_kind not in BETA_KINDS:
         raise ValueError(f"beta_kind: expected 0, 1 (sigmoid) or 2 (2 sigmoid), got {beta_kind}")
+    if (keep and save_tape) or (kept is not None and not save_tape):
+        raise ValueError("keep: the replay's forward (no tape); kept: the replay's chunk stage (save_tape)")
     tables = _check(q, k, v, g, beta, cu_seqlens, initial_state)
     T, H = v.shape[1], v.shape[2]
     C = tables.chunks.shape[0]
     bf16 = dict(device=q.device, dtype=torch.bfloat16)
     f32 = dict(device=q.device, dtype=torch.float32)
+    if kept is not None:
+        for name in ("aqk", "inv_pack"):
+            x = kept[name]
+            if tuple(x.shape) != (1, T, H, CHUNK) or x.dtype != torch.bfloat16 or x.device != v.device:
+                raise ValueError(f"{name}: expected the forward's [1, {T}, {H}, {CHUNK}] bf16 on {v.device}, got "
+                                 f"{list(x.shape)} {x.dtype} on {x.device}")
+        extra = {"aqk": kept["aqk"], "inv_pack": kept["inv_pack"], "aqk_diag_lo": None, "chunk_form": "replay"}
+    else:
+        extra = {"aqk": torch.empty(1, T, H, CHUNK, **bf16), "aqk_diag_lo": torch.empty(1, T, H, **f32),
+                 "inv_pack": torch.empty(1, T, H, CHUNK, **bf16) if keep else None}
     return {
         "q": q, "k": k, "v": v, "g": g, "beta": beta,
         "chunks": tables.chunks, "seg_chunks": tables.seg_chunks,
         "w": torch.empty(1, T, H, HEAD_DIM, **bf16), "u": torch.empty(1, T, H, HEAD_DIM, **bf16),
         "qg": torch.empty(1, T, H, HEAD_DIM, **bf16), "kg": torch.empty(1, T, H, HEAD_DIM, **bf16),
-        "aqk": torch.empty(1, T, H, CHUNK, **bf16), "aqk_diag_lo": torch.empty(1, T, H, **f32),
+        **extra,
         "gamma": out_or(out or {}, "gamma", lambda: torch.empty(C, H, HEAD_DIM, **f32)),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
@@ -262,9 +279,11 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
     }
 
 
-def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None = None, form: str = CHUNK_FORM):
+def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None = None, form: str = ""):
     """kda_fwd_chunk over chunks [first, end) (all by default): the per-chunk tensors (chunks,
-    gamma) narrowed to them, the token-indexed ones whole (each chunk writes its own tokens)."""
+    gamma) narrowed to them, the token-indexed ones whole (each chunk writes its own tokens). form: the
+    argument, else t's (the replay's chunk stage: `replay`), else CHUNK_FORM."""
+    form = form or t.get("chunk_form") or CHUNK_FORM
     part = _chunk_range(t, first, end)
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
@@ -312,7 +331,7 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
                   save_tape=False, out=None, walk_form=None, want_output=True, pipeline=None, gate=None,
-                  beta_kind=BETA_PLAIN):
+                  beta_kind=BETA_PLAIN, keep=False):
     """Forward kernels (chunk_kda_prepare, then chunk_kda_walk): returns (o or None, final_state or None,
     saved), saved = the chunk intermediates, plus the fp32 state tape, V' and (I + L)^-1 when
     `save_tape` (what the backward needs). `out` may hold preallocated o, final_state, tape, vnew,
@@ -322,9 +341,10 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
     stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
     gate: a GateActivation (g the raw gate; the chunk stage forms the log decay). beta_kind: one of BETA_KINDS
-    (beta the logits with BETA_SIGMOID, BETA_SIGMOID_2)."""
+    (beta the logits with BETA_SIGMOID, BETA_SIGMOID_2). keep: saved also holds what the replay backward reads
+    from the forward (aqk, inv_pack: _chunk_stage_tensors)."""
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate,
-                                    beta_kind)
+                                    beta_kind, keep=keep)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.

@@ -75,6 +75,9 @@ struct KdaFwdArgs {
                                 //                    walk's output stage adds back (docs/numerics.md)
   float* gamma;                 // [n_chunks, H, 128] fp32: Gamma at the chunk's last token
   uint16_t* akk_inv;            // [T, H, 64]  bf16  row i of the chunk's (I + L)^-1, or null (for the backward)
+  uint16_t* inv_pack;           // [T, H, 64]  bf16  the chunk's T_c below the diagonal, (I + L)^-1 on and above it
+                                //                    transposed, or null: the forward of the replay writes it, the
+                                //                    replay's chunk stage (form `replay`) reads it
   // kda_fwd_walk outputs
   uint16_t* o;                  // [T, H, 128] bf16
   float* final_state;           // [N, H, 128, 128] fp32 or null

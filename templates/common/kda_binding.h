@@ -39,7 +39,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                                     const char* need_with_o = nullptr, int beta_kind = kBetaPlain) {
   static const char* kKnown[] = {"q", "k", "v", "g", "beta", "initial_state", "chunks", "seg_chunks", "w", "u",
                                  "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "tape", "vnew", "final_state", "o",
-                                 "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "dv", "drk",
+                                 "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "inv_pack", "dv", "drk",
                                  "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk",
                                  "dg", "dbeta", "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
                                  "da_log_part"};
@@ -131,6 +131,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"dtape", kFloat32, {C, H, kHeadDim, kHeadDim}, "[n_chunks, H, 128, 128]"},
       {"dinitial_state", kFloat32, state, "[N, H, 128, 128]"},
       {"akk_inv", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
+      {"inv_pack", kBFloat16, {1, T, H, kChunk}, "[1, T, H, 64]"},
       {"dv", kBFloat16, tok, "[1, T, H, 128]"},
       {"drk", kBFloat16, tok, "[1, T, H, 128]"},
       {"dqg", kBFloat16, tok, "[1, T, H, 128]"},
@@ -264,6 +265,11 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.aqk_diag_lo = reinterpret_cast<float*>(k.ptr("aqk_diag_lo"));
   a.gamma = reinterpret_cast<float*>(k.ptr("gamma"));
   a.akk_inv = reinterpret_cast<uint16_t*>(k.ptr("akk_inv"));
+  a.inv_pack = reinterpret_cast<uint16_t*>(k.ptr("inv_pack"));
+  // kda_fwd_chunk's forward form (the one that needs aqk_diag_lo) writes (I + L)^-1 for the saved context or
+  // inv_pack for the replay, through one staging tile
+  if (a.akk_inv && a.inv_pack && needs(need, "aqk_diag_lo"))
+    fail_value(std::string(what) + ": akk_inv and inv_pack given: the forward writes one of them");
   a.tape = reinterpret_cast<float*>(k.ptr("tape"));
   a.vnew = reinterpret_cast<uint16_t*>(k.ptr("vnew"));
   a.final_state = reinterpret_cast<float*>(k.ptr("final_state"));
