@@ -183,3 +183,39 @@ def test_full_replay_walk_then_rewalk_is_bitwise_the_plain_backward(monkeypatch,
         assert torch.equal(ctx_a[name], ctx_b[name]), name
     for x, y in zip(grads_a, cuda.backward(ctx_b, do, true, walk=walk, rewalk=remote)):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["replay_pipelined", "prepare-replay"])
+def test_replay_from_what_the_forward_kept_is_bitwise(pipelined):
+    """CudaBackend's "replay" mode (replay_keeps): forward and forward_pipelined with keep_replay return the
+    forward's tril(Aqk) and inv_pack (the same bits either way), and the replay's chunk stage from them
+    (replay_pipelined(kept=), or prepare(kept=) then replay) gives the saved context, D and every gradient of
+    the replay that forms them again, bitwise."""
+    lens, H = [65, 1, 300, 700, 2300], 2
+    q, k, v, g, beta, cu, states = make(lens, H, "rand", rng(("cp-kept", pipelined)), True)
+    cu_local, scale, cuda = cu.cpu().tolist(), 128 ** -0.5, CudaBackend()
+    do, true = torch.randn_like(q), torch.randn_like(states)
+    known = true.clone()
+    known[[0, 3]] = 0
+    _, _, kept = cuda.forward(q, k, v, g, beta, cu_local, states, scale, keep=False, keep_replay=True)
+    assert sorted(kept) == ["aqk", "inv_pack"]
+    _, _, kept_p = cuda.forward_pipelined(q, k, v, g, beta, cu_local, scale, False, states, [],
+                                          SimpleNamespace(run=lambda prepared, finals: states[[]]), [],
+                                          keep_replay=True)
+    assert all(torch.equal(kept[name], kept_p[name]) for name in kept)
+    if pipelined:
+        ctx_a, walk_a = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known)
+        ctx_b, walk_b = cuda.replay_pipelined(q, k, v, g, beta, cu_local, scale, states, do, known, kept=kept)
+        assert torch.equal(walk_a[1], walk_b[1])
+        grads = [cuda.backward(c, do, true, walk=w, rewalk=[0, 3]) for c, w in ((ctx_a, walk_a), (ctx_b, walk_b))]
+    else:
+        ctx_a, d_a = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True), states, do, known)
+        ctx_b, d_b = cuda.replay(cuda.prepare(q, k, v, g, beta, cu_local, scale, keep=True, kept=kept), states, do,
+                                 known)
+        assert torch.equal(d_a, d_b)
+        grads = [cuda.backward(c, do, true) for c in (ctx_a, ctx_b)]
+    assert ctx_b["chunk_form"] == "replay" and ctx_b["aqk"] is kept["aqk"]
+    for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
+        assert torch.equal(ctx_a[name], ctx_b[name]), name
+    for x, y in zip(*grads, strict=True):
+        assert torch.equal(x, y)

@@ -36,6 +36,11 @@ states:
         the replay backward's forward(keep=True) on a prepared chunk stage and, when dfinals is
         given, state_grads(ctx, do, dfinals) — in any order or concurrently; bitwise the same as
         the two calls. Used only in "replay" mode and only when prepare returned a result.
+    replay_keeps = True                                                               (optional)
+        "replay" mode's forward keeps what the replay's chunk stage reads back instead of forming it
+        again: forward, forward_pipelined and prepare take keep_replay=True and the forward's ctx is then
+        that ({"aqk", "inv_pack"}: kda_aot.schedule.kda._chunk_stage_tensors); the replay hands it back as
+        kept= to prepare and replay_pipelined. Bitwise the same as forming it again.
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
 the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
@@ -133,9 +138,13 @@ class CudaBackend:
         # the kernels take a q; the fragment's k stands in (no output is computed)
         return self.summary_of(kda_schedule.chunk_kda_prepare(frag[0], *frag, cu_seqlens=cu), 0, True)
 
-    def prepare(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool):
+    replay_keeps = True
+
+    def prepare(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool, keep_replay=False,
+                kept=None):
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
-        return kda_schedule.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep)
+        return kda_schedule.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep,
+                                              keep=keep_replay, kept=kept)
 
     def summary_of(self, prepared, segment: int, need_b: bool):
         """(M, B) of one local segment from the prepared chunk stage: the same chunk-stage values
@@ -180,12 +189,12 @@ class CudaBackend:
         return [(M, Bf if need_b else None) for (M, Bf), (_, need_b) in zip(summaries, requests)]
 
     def forward(self, q, k, v, g, beta, cu_local: Sequence[int], states: torch.Tensor,
-                scale: float, keep: bool, prepared=None):
+                scale: float, keep: bool, prepared=None, keep_replay=False):
         if prepared is None:
-            prepared = self.prepare(q, k, v, g, beta, cu_local, scale, keep)
+            prepared = self.prepare(q, k, v, g, beta, cu_local, scale, keep, keep_replay)
         o, finals, saved = kda_schedule.chunk_kda_walk(prepared, initial_state=states.to(torch.float32).contiguous(),
                                                        output_final_state=True, save_tape=keep)
-        return o, finals, (saved if keep else None)
+        return o, finals, _forward_ctx(saved, keep, keep_replay)
 
     def replay(self, prepared, states: torch.Tensor, do: torch.Tensor, dfinals):
         """The replay backward's forward walk (tape and V' for the backward; no output) and, when
@@ -200,7 +209,7 @@ class CudaBackend:
 
     def forward_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool,
                           known: torch.Tensor, deferred: Sequence[int], exchange, senders: Sequence[int] = (),
-                          summarised: Optional[Sequence[int]] = None):
+                          summarised: Optional[Sequence[int]] = None, keep_replay=False):
         """forward() in the single-GPU pipelined order (kda.chunk_kda_fwd_deferred): the chunk stage a
         segment group at a time with the walks of the segments whose entering state is known (`known`,
         one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
@@ -215,11 +224,11 @@ class CudaBackend:
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
             deferred=deferred, exchange=exchange,
             save_tape=keep, senders=senders, exchange_beside=options.current().cp_exchange_beside,
-            summarised=summarised)
-        return o, finals, (saved if keep else None)
+            summarised=summarised, keep=keep_replay)
+        return o, finals, _forward_ctx(saved, keep, keep_replay)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,
-                         do: torch.Tensor, dfinals: torch.Tensor, skip_bwd: Sequence[int] = ()):
+                         do: torch.Tensor, dfinals: torch.Tensor, skip_bwd: Sequence[int] = (), kept=None):
         """prepare() then replay() in the single-GPU replay's pipelined order (backward.replay_walks_pipelined):
         the chunk stage a segment group at a time, each group's forward walk and backward walk beside
         the later groups' chunk stage. The backward walk runs in full (its tape too) from `dfinals`:
@@ -227,12 +236,13 @@ class CudaBackend:
         gradient was complete in `dfinals` need no second walk (backward(walk=, rewalk=) walks the
         others again). skip_bwd: segments whose backward walk is left out here (their D is not wanted
         and backward(rewalk=) walks them anyway): their rows of the walk are unwritten. The rank's longest
-        chain is walked in pieces (backward.replay_walks_pipelined(pieced=True)): bitwise one walk."""
+        chain is walked in pieces (backward.replay_walks_pipelined(pieced=True)): bitwise one walk.
+        kept: what the forward kept (replay_keeps)."""
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return kda_backward.replay_walks_pipelined(q, k, v, g, beta, states.to(torch.float32).contiguous(), cu,
                                                    scale, do.to(torch.bfloat16).contiguous(),
                                                    dfinals.to(torch.float32).contiguous(), tuple(skip_bwd),
-                                                   pieced=True)
+                                                   pieced=True, kept=kept)
 
     def backward(self, ctx, do: torch.Tensor, dfinals: torch.Tensor, walk=None, rewalk: Sequence[int] = ()):
         """The local backward; walk: [dtape, d_initial_state] when the backward walk has run already;
@@ -245,6 +255,13 @@ class CudaBackend:
         return kda_backward.chunk_kda_bwd_walk(ctx, do.to(torch.bfloat16).contiguous(),
                                                dfinals.to(torch.float32).contiguous(),
                                                need_dtape=False)[1]  # the offset walk: no tape written
+
+
+def _forward_ctx(saved: dict, keep: bool, keep_replay: bool):
+    """The forward's ctx: the saved context (keep), what the replay reads back (keep_replay), or None."""
+    if keep:
+        return saved
+    return {name: saved[name] for name in ("aqk", "inv_pack")} if keep_replay else None
 
 
 def backend_name(backend) -> str:

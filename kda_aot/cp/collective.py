@@ -77,12 +77,13 @@ def phase_times(clear: bool = True) -> dict:
         _PHASES.clear()
     return out
 
-def _prepare(backend, local, q, k, v, g, beta, plan: CPPlan, scale, keep):
-    """The backend's state-free part of the local forward, when it has one (else None)."""
+def _prepare(backend, local, q, k, v, g, beta, plan: CPPlan, scale, keep, **replay):
+    """The backend's state-free part of the local forward, when it has one (else None). replay: keep_replay or
+    kept (a backend with replay_keeps)."""
     prepare = getattr(backend, "prepare", None)
     if prepare is None or not local:
         return None
-    return prepare(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep)
+    return prepare(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep, **replay)
 
 
 def _summary(backend, prepared, f, k, v, g, beta, need_b: bool):
@@ -121,10 +122,10 @@ def _pipeline_on() -> bool:
     return options.current().cp_pipeline
 
 
-def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep):
-    """The local forward with entering states (the rest of it when `prepared`)."""
+def _forward(backend, prepared, q, k, v, g, beta, plan: CPPlan, states, scale, keep, **replay):
+    """The local forward with entering states (the rest of it when `prepared`); replay: keep_replay."""
     extra = {} if prepared is None else {"prepared": prepared}
-    return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep, **extra)
+    return backend.forward(q, k, v, g, beta, plan.local_cu_seqlens, states, scale, keep=keep, **extra, **replay)
 
 
 class _Context:
@@ -183,6 +184,8 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
     sd = backend.state_dtype
     local = plan.local_fragments
     keep = mode == "saved"
+    # "replay" with a backend that can: the forward keeps what the replay's chunk stage reads back (backends.py)
+    replay = {"keep_replay": True} if mode == "replay" and getattr(backend, "replay_keeps", False) else {}
 
     deferred, senders, summarised = pipelined_roles(local)
     middle = [f for f in local if f.segment in summarised]  # summarised whatever the order
@@ -230,7 +233,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
         with _Phase("fwd local", q.device):
             o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
                                         torch.stack([known_state(f) for f in local]),
-                                        list(deferred), node, list(senders), list(summarised))
+                                        list(deferred), node, list(senders), list(summarised), **replay)
         S_in, M_local = node.S_in, node.M_local
         if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
             main = torch.cuda.current_stream(q.device)
@@ -239,7 +242,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
     else:
         # 0. the local work that needs no entering state (a backend that can split it off), so
         #    that it runs while this rank waits for the others' summaries.
-        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep)
+        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep, **replay)
         S_in, M_local = entering_states(prepared)
 
     # 2. entering states of the local fragments, then (not pipelined) the local forward.
@@ -250,7 +253,8 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
         states = torch.stack(states)
         if pipelined is None:
             with _Phase("fwd local", q.device):
-                o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale, keep=keep)
+                o, finals, lctx = _forward(backend, prepared, q, k, v, g, beta, plan, states, scale, keep=keep,
+                                           **replay)
         if want_final:
             for f in local:
                 if f.is_last:
@@ -269,8 +273,9 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
     if mode == "saved":
         ctx.lctx, ctx.M_local = lctx, M_local
         ctx.save_for_backward(states)
-    else:
-        ctx.save_for_backward(q, k, v, g, beta, states)
+    else:  # and what the replay reads back, when the backend kept it
+        kept = (lctx["aqk"], lctx["inv_pack"]) if replay and lctx is not None else ()
+        ctx.save_for_backward(q, k, v, g, beta, states, *kept)
     return o, final
 
 
@@ -296,7 +301,8 @@ def _cp_backward(ctx, do, dfinal):
     need_d = any(f.needs_state for f in local)
     first_pass = walk = None
     if mode != "saved":
-        q, k, v, g, beta, states = ctx.saved_tensors
+        q, k, v, g, beta, states, *kept = ctx.saved_tensors
+        kept = {"kept": dict(zip(("aqk", "inv_pack"), kept))} if kept else {}
         lctx, M_local = None, {}
         if local:
             # Replay: the same calls on the same values as the forward -> bitwise the same.
@@ -312,10 +318,10 @@ def _cp_backward(ctx, do, dfinal):
                     # the summaries read.
                     lctx, walk = replay_pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, states,
                                                   do, known, [f.segment for f in local
-                                                              if not f.is_last and not f.needs_state])
+                                                              if not f.is_last and not f.needs_state], **kept)
                     first_pass, prepared = walk[1], lctx
                 else:
-                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True)
+                    prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=True, **kept)
                     if replay is not None and prepared is not None:
                         # the forward walk and the walk for D side by side (the backend's choice)
                         lctx, first_pass = replay(prepared, states, do, known if need_d else None)

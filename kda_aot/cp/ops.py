@@ -18,6 +18,7 @@ from .plan import CPPlan
 __all__ = ["chunk_kda_cp", "chunk_kda_cp_agreed", "kda_facts", "BACKWARD_MODES", "phase_times"]
 
 BACKWARD_MODES = ("replay", "saved")
+INFERENCE = "inference"  # the forward op's mode when no backward will come (what the user's modes keep, kept by none)
 
 
 def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
@@ -68,8 +69,8 @@ def chunk_kda_cp_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     plan_obj, group_obj, backend_obj = keys.lookup(plan), keys.group_of(group), get_backend(backend)
     with torch.autocast(q.device.type, enabled=False):
         if agree:
-            _, facts, problem, _ = kda_facts(q, k, v, g, beta, initial_state, plan_obj, scale, backward,
-                                             backend_obj)
+            _, facts, problem, _ = kda_facts(q, k, v, g, beta, initial_state, plan_obj, scale,
+                                             "replay" if backward == INFERENCE else backward, backend_obj)
             check_agreement("chunk_kda_cp", plan_obj, group_obj, facts, problem, q)
         ctx = _Context()
         o, final = _cp_forward(ctx, q, k, v, g, beta, initial_state, plan_obj, group_obj, scale,
@@ -202,10 +203,11 @@ def chunk_kda_cp_agreed(q, k, v, g, beta, *, plan: CPPlan, group, scale: float, 
 
 
 def _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend, agree):
-    # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing.
+    # Without a backward to come (inference, no_grad), "saved" would keep a graph for nothing, and "replay" what
+    # its replay reads back.
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     o, final, _ = chunk_kda_cp_fwd_op(q, k, v, g, beta, initial_state, plan.key_tensor, plan.num_docs,
                                       group.group_name, float(scale), bool(output_final_state),
-                                      backward if needs_grad else "replay", backend_name(backend), agree)
+                                      backward if needs_grad else INFERENCE, backend_name(backend), agree)
     return o, (final if output_final_state else None)

@@ -224,13 +224,13 @@ def _pick_form(what: str, form, forms: tuple) -> str:
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      beta_kind=BETA_PLAIN, kept=None):
+                      beta_kind=BETA_PLAIN, keep=False, kept=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    beta_kind: one of BETA_KINDS; kept: as _chunk_stage_tensors'."""
+    beta_kind: one of BETA_KINDS; keep, kept: as _chunk_stage_tensors'."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             beta_kind=beta_kind, kept=kept)
+                             beta_kind=beta_kind, keep=keep, kept=kept)
     _launch_chunk_stage(t, initial_state)
     return t
 
@@ -399,7 +399,7 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
 
 
 def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, exchange, save_tape,
-                           senders=(), exchange_beside=False, summarised=None):
+                           senders=(), exchange_beside=False, summarised=None, keep=False):
     """The pipelined forward (output and final states) for context parallelism: the chunk stage a
     segment group at a time, the walks of the segments whose entering state is known here
     (initial_state's rows; the `deferred` rows are not read) beside it, the `senders` segments first;
@@ -409,8 +409,9 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     walks run beside the others. The exchange runs on every call (it is collective).
     exchange_beside, summarised: see _fwd_pipelined (the tensors the exchange makes are then made on that
     stream; summarised: the deferred segments it reads the chunk stage of, default all).
-    Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise."""
-    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape)
+    Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise.
+    keep: saved also holds what the replay reads back (_chunk_stage_tensors)."""
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, keep=keep)
     o, final, saved = _fwd_pipelined(prepared, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, walk_form=None, want_output=True, deferred=deferred,
                                      exchange=exchange, senders=senders, exchange_beside=exchange_beside,
