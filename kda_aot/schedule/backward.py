@@ -227,12 +227,12 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
 
 def replay_bytes_per_head(T: int, n_chunks: int) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
-    replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, aqk, V', (I+L)^-1 and aqk's diagonal residue:
-    1,540 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks, which read
+    replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, V', (I+L)^-1, and the forward's aqk and inv_pack,
+    which a head group copies: 1,664 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks, which read
     it: an over-count for the plain order, Options.pipeline off), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16,
     dKg, dAqk's diagonal, dbeta_v in fp32: 1,544 B a token), a head group's input copies (q, k, v, dO, g, beta:
     1,538 B a token), and the two fp32 state tapes (128 KiB a chunk)."""
-    return T * (1540 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
+    return T * (1664 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
