@@ -312,14 +312,17 @@ _STAGE_OUTPUTS = ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "akk_inv"
 
 
 def test_replay_chunk_stage_refuses_what_it_cannot_read():
-    """The forward's tensors of the wrong shape are named before any launch; the forward's lean form refuses
-    akk_inv and inv_pack together (one staging tile writes either)."""
+    """The forward's tensors of the wrong shape or dtype are named by the replay form's binding before its kernel
+    runs; the forward's lean form refuses akk_inv and inv_pack together (one staging tile writes either)."""
     from kda_aot.schedule import kda
     q, k, v, g, beta, cu, _ = make([70, 3], 2, "rand", rng("replay-refuse"), False)
     aqk = torch.zeros(1, 73, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="inv_pack: expected the forward's"):
-        kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True,
-                                 kept={"aqk": aqk, "inv_pack": aqk[:, :72]})
+    with pytest.raises(ValueError, match=r"inv_pack: expected shape \[1, T, H, 64\]"):
+        kda._launch_chunk_stage(kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True,
+                                                         kept={"aqk": aqk, "inv_pack": aqk[:, :72]}), None)
+    with pytest.raises(TypeError, match="aqk: expected dtype"):
+        kda._launch_chunk_stage(kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True,
+                                                         kept={"aqk": aqk.float(), "inv_pack": aqk}), None)
     with pytest.raises(ValueError, match="keep: the replay's forward"):
         kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True, keep=True)
     t = kda._chunk_stage_tensors(q, k, v, g, beta, cu, None, None, True)

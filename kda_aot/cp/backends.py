@@ -39,7 +39,7 @@ states:
     replay_keeps = True                                                               (optional)
         "replay" mode's forward keeps what the replay's chunk stage reads back instead of forming it
         again: forward, forward_pipelined and prepare take keep_replay=True and the forward's ctx is then
-        that ({"aqk", "inv_pack"}: kda_aot.schedule.kda._chunk_stage_tensors); the replay hands it back as
+        that ({REPLAY_KEPT: tensor}: kda_aot.schedule.kda._chunk_stage_tensors); the replay hands it back as
         kept= to prepare and replay_pipelined. Bitwise the same as forming it again.
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
@@ -261,7 +261,7 @@ def _forward_ctx(saved: dict, keep: bool, keep_replay: bool):
     """The forward's ctx: the saved context (keep), what the replay reads back (keep_replay), or None."""
     if keep:
         return saved
-    return {name: saved[name] for name in ("aqk", "inv_pack")} if keep_replay else None
+    return {name: saved[name] for name in kda_schedule.REPLAY_KEPT} if keep_replay else None
 
 
 def backend_name(backend) -> str:

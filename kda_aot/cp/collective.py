@@ -274,7 +274,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
         ctx.lctx, ctx.M_local = lctx, M_local
         ctx.save_for_backward(states)
     else:  # and what the replay reads back, when the backend kept it
-        kept = (lctx["aqk"], lctx["inv_pack"]) if replay and lctx is not None else ()
+        kept = tuple(lctx[name] for name in kda.REPLAY_KEPT) if replay and lctx is not None else ()
         ctx.save_for_backward(q, k, v, g, beta, states, *kept)
     return o, final
 
@@ -302,7 +302,7 @@ def _cp_backward(ctx, do, dfinal):
     first_pass = walk = None
     if mode != "saved":
         q, k, v, g, beta, states, *kept = ctx.saved_tensors
-        kept = {"kept": dict(zip(("aqk", "inv_pack"), kept))} if kept else {}
+        kept = {"kept": dict(zip(kda.REPLAY_KEPT, kept))} if kept else {}
         lctx, M_local = None, {}
         if local:
             # Replay: the same calls on the same values as the forward -> bitwise the same.

@@ -28,7 +28,7 @@ from .._runtime.tensor import require_cuda
 SAVED = ("w", "u", "qg", "kg", "aqk", "gamma", "akk_inv", "tape", "vnew")
 # What the forward of backward="replay" keeps beside its inputs, so that the replay's chunk stage forms neither
 # Aqk nor (I + L)^-1 again (kda._chunk_stage_tensors): 256 bytes a token-head, FLA's Aqk and Akk.
-KEPT = ("aqk", "inv_pack")
+KEPT = kda.REPLAY_KEPT
 _PER_CHUNK_SAVED = ("gamma", "tape")
 
 

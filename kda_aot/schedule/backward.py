@@ -370,7 +370,7 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None,
     gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
     (_gate_result). With grouped value heads a head group is whole q, k heads, each with its value heads.
     beta_kind (kda.BETA_KINDS): beta is the logits and dbeta their gradient. kept: what the forward kept for the
-    replay's chunk stage ({"aqk", "inv_pack"}: kda._chunk_stage_tensors), or None."""
+    replay's chunk stage (kda.REPLAY_KEPT's tensors: kda._chunk_stage_tensors), or None."""
     T, H = v.shape[1], v.shape[2]
     G = H // q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)

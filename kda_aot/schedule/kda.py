@@ -210,6 +210,8 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
 
 # Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
 # test-only records measured against it (bench/forms_ab.py).
+# What the forward of a replay call keeps beside its inputs for the replay's chunk stage (_chunk_stage_tensors).
+REPLAY_KEPT = ("aqk", "inv_pack")
 CHUNK_FORM = "lean"  # kda_fwd_chunk (`replay`: the replay's stage, _chunk_stage_tensors; lean_prof: bench/chunk_profile.py)
 BWD_CHUNK_FORMS = ("prefetch", "default")            # kda_bwd_chunk
 GATE_FORMS = ("split_staged", "full")  # kda_bwd_gate
@@ -242,7 +244,7 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
     preallocated gamma; gate: the gate's activation (g the raw gate), beta_kind: beta's activation (beta the
     logits), both kept for the backward.
     keep (the forward of a replay training call): the stage also writes inv_pack, which the replay reads with
-    tril(Aqk) (the forward's aqk) instead of forming both again. kept ({"aqk", "inv_pack"} from such a forward;
+    tril(Aqk) (the forward's aqk) instead of forming both again. kept (REPLAY_KEPT's tensors of such a forward;
     with save_tape): the replay's chunk stage, form `replay`, reading them; it writes (I + L)^-1 for kda_bwd_chunk
     and neither aqk nor aqk_diag_lo (only the forward walk's output stage reads the last)."""
     if beta_kind not in BETA_KINDS:
@@ -254,13 +256,8 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
     C = tables.chunks.shape[0]
     bf16 = dict(device=q.device, dtype=torch.bfloat16)
     f32 = dict(device=q.device, dtype=torch.float32)
-    if kept is not None:
-        for name in ("aqk", "inv_pack"):
-            x = kept[name]
-            if tuple(x.shape) != (1, T, H, CHUNK) or x.dtype != torch.bfloat16 or x.device != v.device:
-                raise ValueError(f"{name}: expected the forward's [1, {T}, {H}, {CHUNK}] bf16 on {v.device}, got "
-                                 f"{list(x.shape)} {x.dtype} on {x.device}")
-        extra = {"aqk": kept["aqk"], "inv_pack": kept["inv_pack"], "aqk_diag_lo": None, "chunk_form": "replay"}
+    if kept is not None:  # (their shapes and dtypes: the binding's checks, at the stage's first launch)
+        extra = {**{name: kept[name] for name in REPLAY_KEPT}, "aqk_diag_lo": None, "chunk_form": "replay"}
     else:
         extra = {"aqk": torch.empty(1, T, H, CHUNK, **bf16), "aqk_diag_lo": torch.empty(1, T, H, **f32),
                  "inv_pack": torch.empty(1, T, H, CHUNK, **bf16) if keep else None}
