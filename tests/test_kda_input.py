@@ -205,9 +205,27 @@ def test_head_groups_split_evenly_and_cover_every_head():
 
 def test_replay_working_set_is_counted_per_head():
     from kda_aot.schedule.backward import replay_bytes_per_head
-    # Q1 (249,856 tokens, 3,904 chunks): about 1.7 GB a head, so H = 64 needs two groups on an H200
+    # Q1 (249,856 tokens, 3,904 chunks): about 1.7 GB a head with a group's input copies
     b = replay_bytes_per_head(249856, 3904)
     assert 1.5e9 < b < 1.75e9
+    # one pass over every head makes no input copies (1,538 B a token-head): priced without them
+    assert b - replay_bytes_per_head(249856, 3904, grouped=False) == 249856 * 1538
+
+
+def test_replay_runs_one_pass_when_it_fits_without_a_groups_copies():
+    from kda_aot.schedule.backward import replay_bytes_per_head, replay_head_groups
+    T, C = 249856, 3904  # Q1
+    alone, grouped = replay_bytes_per_head(T, C, grouped=False), replay_bytes_per_head(T, C)
+    # H = 64: fits in one pass (no copies) but not with the copies counted -> one pass
+    assert replay_head_groups(T, 64, 1, C, 64 * alone) == [(0, 64)]
+    assert 64 * grouped > 64 * alone
+    # short of one pass: groups priced with their copies
+    assert replay_head_groups(T, 64, 1, C, 64 * alone - 1) == [(0, 32), (32, 64)]
+    assert replay_head_groups(T, 64, 1, C, 32 * grouped - 1) == [(0, 21), (21, 43), (43, 64)]
+    # max_heads caps a group's value heads (GVA: G value heads a q, k head)
+    assert replay_head_groups(T, 64, 1, C, 10 ** 15, max_heads=32) == [(0, 32), (32, 64)]
+    assert replay_head_groups(T, 16, 4, C, 10 ** 15, max_heads=32) == [(0, 8), (8, 16)]
+    assert replay_head_groups(T, 16, 4, C, 10 ** 15, max_heads=64) == [(0, 16)]
 
 
 def test_chunk_kda_batched_and_packed_shapes_are_checked():

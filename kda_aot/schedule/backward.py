@@ -225,14 +225,16 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
-def replay_bytes_per_head(T: int, n_chunks: int) -> int:
+def replay_bytes_per_head(T: int, n_chunks: int, grouped: bool = True) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
-    replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, V', (I+L)^-1, and the forward's aqk and inv_pack,
-    which a head group copies: 1,664 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks, which read
+    replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, V', (I+L)^-1, and the forward's aqk and inv_pack:
+    1,664 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks, which read
     it: an over-count for the plain order, Options.pipeline off), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16,
-    dKg, dAqk's diagonal, dbeta_v in fp32: 1,544 B a token), a head group's input copies (q, k, v, dO, g, beta:
-    1,538 B a token), and the two fp32 state tapes (128 KiB a chunk)."""
-    return T * (1664 + 1544 + 1538) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
+    dKg, dAqk's diagonal, dbeta_v in fp32: 1,544 B a token), the two fp32 state tapes (128 KiB a chunk), and,
+    when the heads run in groups (`grouped`), a group's copies of its inputs (q, k, v, dO, g, beta: 1,538 B a
+    token): one pass over every head reads the caller's tensors as they are."""
+    copies = 1538 if grouped else 0
+    return T * (1664 + 1544 + copies) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
@@ -246,6 +248,16 @@ def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
     n = -(-H // min(cap, H))
     bounds = [round(i * H / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def replay_head_groups(T: int, H: int, G: int, n_chunks: int, available: int, max_heads: int = 0) -> list:
+    """The replay backward's groups of q, k heads [0, H) (each with its G value heads; max_heads, if not 0,
+    caps a group's value heads) in `available` bytes: one pass over every head when it fits, priced without
+    the input copies that only a group makes, else head_groups priced with them."""
+    limit = max(1, max_heads // G) if max_heads else 0
+    if (not limit or limit >= H) and H * G * replay_bytes_per_head(T, n_chunks, grouped=False) <= available:
+        return [(0, H)]
+    return head_groups(H, G * replay_bytes_per_head(T, n_chunks), available, limit)
 
 
 def _available_bytes(device) -> int:
@@ -266,9 +278,7 @@ def _replay_groups(T: int, H: int, G: int, n_chunks: int, device) -> list:
     key = (T, H, G, n_chunks, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
         return _LAST_GROUPS.get(key, [(0, H)])
-    limit = options.current().max_heads
-    groups = head_groups(H, G * replay_bytes_per_head(T, n_chunks), _available_bytes(device),
-                         max(1, limit // G) if limit else 0)
+    groups = replay_head_groups(T, H, G, n_chunks, _available_bytes(device), options.current().max_heads)
     _LAST_GROUPS[key] = groups
     return groups
 
