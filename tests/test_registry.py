@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +122,26 @@ def test_version_says_the_built_arch():
     from kda_aot import _lib
     arch = registry.library("conv1d_silu_fwd", "default").ARCH
     assert _lib.ARCH == arch and kda_aot.__version__.endswith("+" + arch.replace("_", ""))
+
+
+def test_serves_is_marked_constant_as_torch_compile_reads_it():
+    # registry.constant_under_compile sets assume_constant_result's mark without importing torch._dynamo;
+    # a torch whose decorator marks differently fails here, not silently under torch.compile on a GPU
+    import torch
+
+    def plain():
+        return True
+    marked = torch.compiler.assume_constant_result(plain)
+    assert marked is plain and vars(plain) == vars(registry.constant_under_compile(lambda: True))
+    assert getattr(registry.serves, "_dynamo_marked_constant", False) is True
+
+
+def test_import_does_not_load_torch_dynamo(tmp_path):
+    # the checkout's kda_aot from its root, the installed one from anywhere else
+    code = "import sys, kda_aot; print(kda_aot.__file__); print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path if INSTALLED else ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    where, loaded = out.stdout.split()
+    assert (ROOT in Path(where).parents) != INSTALLED, where
+    assert loaded == "False"

@@ -112,7 +112,15 @@ def built_forms(program: str, forms=None) -> list[str]:
     return out
 
 
-@torch.compiler.assume_constant_result  # a fact of the machine: torch.compile reads it while tracing
+def constant_under_compile(fn):
+    """torch.compiler.assume_constant_result's mark (torch.compile reads fn's result while tracing), set
+    without importing torch._dynamo, which that decorator does: ~1.4 s of every `import kda_aot`.
+    tests/test_registry.py checks that the decorator sets this attribute and nothing else."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_under_compile  # a fact of the machine
 def serves(device) -> bool:
     """Whether the kernels run on `device`: a CUDA device whose arch has shipped records (the "auto"
     backends' choice)."""
