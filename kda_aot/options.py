@@ -34,6 +34,9 @@ class Options:
     replay_overlap: bool = True
     # at most this many heads per replay-backward group (0: as many as memory holds)
     max_heads: int = 0
+    # at most this many tokens per replay-backward group of whole segments, where the segments allow (0: as many
+    # as memory holds); tests/test_kda_bwd_gpu.py forces such groups with it
+    max_tokens: int = 0
     # context parallelism: the pipelined orders, the summaries batched (test_cp_cuda_ranks.py)
     cp_pipeline: bool = True
     cp_batched_summaries: bool = True
@@ -47,8 +50,10 @@ class Options:
     def __post_init__(self):
         if self.walk_form not in WALK_FORMS:
             raise ValueError(f"kda_aot Options: walk_form must be one of {WALK_FORMS}, got {self.walk_form!r}")
-        if not isinstance(self.max_heads, int) or self.max_heads < 0:
-            raise ValueError(f"kda_aot Options: max_heads must be an int >= 0, got {self.max_heads!r}")
+        for name in ("max_heads", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"kda_aot Options: {name} must be an int >= 0, got {value!r}")
 
     def replace(self, **changes) -> "Options":
         return dataclasses.replace(self, **changes)

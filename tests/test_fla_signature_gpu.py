@@ -185,17 +185,19 @@ def test_gate_in_the_kernels_against_the_torch_activation(strong):
 
 @pytest.mark.parametrize("form", ["split_staged", "full"])
 @pytest.mark.parametrize("lower_bound", [None, -3.0], ids=["softplus", "sigmoid"])
-@pytest.mark.parametrize("mode,max_heads", [("replay", 0), ("replay", 1), ("saved", 0)],
-                         ids=["replay", "replay-head-groups", "saved"])
-def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_bound, mode, max_heads):
+@pytest.mark.parametrize("mode,groups", [("replay", {}), ("replay", {"max_heads": 1}), ("replay", {"max_tokens": 1}),
+                                         ("saved", {})], ids=["replay", "replay-head-groups", "replay-segment-runs",
+                                                              "saved"])
+def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_bound, mode, groups):
     """A bf16 raw gate (as FLA's f_proj gives it) reaches kda_fwd_chunk and kda_bwd_gate as it is, no fp32
     copy (their launches are watched): every output and gradient bitwise what its exact fp32 copy gives, dg in
     bf16 (the fp32 copy's, rounded once), in every kda_bwd_gate form, both gate kinds and both modes; the replay
-    in head groups also bitwise the saved mode (dA_log and ddt_bias summed over one shape in both)."""
+    in head groups and in runs of whole segments also bitwise the saved mode (dA_log and ddt_bias summed over one
+    shape in both)."""
     from kda_aot._runtime import registry
     from kda_aot._runtime.tensor import DTYPE_CODES
-    kda_options(gate_form=form, max_heads=max_heads)
-    x = cuda_inputs(4, 4, ("bf16-gate", form, lower_bound, mode, max_heads))
+    kda_options(gate_form=form, **groups)
+    x = cuda_inputs(4, 4, ("bf16-gate", form, lower_bound, mode, tuple(groups.items())))
     raw = x["g"].to(torch.bfloat16)
     names = ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
 
@@ -230,27 +232,28 @@ def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_
     for n in names:
         if n != "g":
             assert torch.equal(d16[n], d32[n]), f"d{n}: the bf16 raw gate's differs from its fp32 copy's"
-    if max_heads:
+    if groups:
         _, _, saved = call(raw, "saved")
         for n in names:
-            assert torch.equal(saved[n], d16[n]), f"d{n}: the replay in head groups differs from the saved mode"
+            assert torch.equal(saved[n], d16[n]), f"d{n}: the replay in {groups} differs from the saved mode"
 
 
 @pytest.mark.parametrize("neg", [False, True], ids=["sigmoid", "2sigmoid"])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,max_heads", [("replay", 0), ("replay", 1), ("saved", 0)],
-                         ids=["replay", "replay-head-groups", "saved"])
-def test_beta_sigmoid_in_the_kernels(kda_options, monkeypatch, neg, logits_dtype, mode, max_heads):
+@pytest.mark.parametrize("mode,groups", [("replay", {}), ("replay", {"max_heads": 1}), ("replay", {"max_tokens": 1}),
+                                         ("saved", {})], ids=["replay", "replay-head-groups", "replay-segment-runs",
+                                                              "saved"])
+def test_beta_sigmoid_in_the_kernels(kda_options, monkeypatch, neg, logits_dtype, mode, groups):
     """use_beta_sigmoid_in_kernel: the logits go into the kernels as they are (no activated beta in memory; every
     program that reads beta gets beta_kind), and
     - at logits whose sigmoid is exact (0, +-inf: beta 1/2, 1, 0; 2 sigmoid 1, 2, 0) o, the final state and every
       gradient but beta's are bitwise the precomputed call's on that beta in bf16, the precomputed call's
       launches take no beta_kind (its path is the one it was), and d(logits) = dbeta scale s (1 - s);
     - at random logits, against torch's libm fp32 sigmoid through the fp64 reference (FLA's formulas), REL;
-    - saved == replay (and the replay a head at a time) bitwise."""
+    - saved == replay (and the replay a head at a time, or a segment at a time) bitwise."""
     from kda_aot._runtime import registry
-    if max_heads:
-        kda_options(max_heads=max_heads)
+    if groups:
+        kda_options(**groups)
     x = cuda_inputs(4, 4, ("beta-in-kernel", neg))
     scale_b = 2.0 if neg else 1.0
     names = ("q", "k", "v", "g", "b", "h0")

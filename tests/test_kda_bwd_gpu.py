@@ -182,11 +182,14 @@ def test_saved_and_replay_gradients_are_bitwise_equal_and_right(kda_options):
     again = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
     for a, b, c in zip(saved, replay, again):
         assert torch.equal(a, b) and torch.equal(b, c)
-    # the replay backward a head at a time (what H = 64 on a long pack does) is bitwise the same
-    kda_options(max_heads=1)
-    grouped = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
-    for a, b in zip(replay, grouped):
-        assert torch.equal(a, b)
+    # the replay backward a head at a time and a segment at a time (what a pack that does not fit in one pass
+    # runs) is bitwise the same
+    for groups in ({"max_heads": 1}, {"max_tokens": 1}):
+        kda_options(**{"max_heads": 0, "max_tokens": 0, **groups})
+        grouped = _run_autograd(q, k, v, g, beta, cu, h0, dout, dht, "replay")
+        for a, b in zip(replay, grouped):
+            assert torch.equal(a, b), groups
+    kda_options(max_heads=0, max_tokens=0)
     cpu = [x.cpu() for x in (q, k, v, g, beta)]
     rs = reference.kda_chunked_fwd_saved(*cpu, cu_seqlens=cu.cpu(), initial_state=h0.cpu())
     want = reference.kda_chunked_bwd(rs, dout.cpu(), dht.cpu(), q=cpu[0], k=cpu[1], v=cpu[2], g=cpu[3], beta=cpu[4])

@@ -33,7 +33,7 @@ def _fwd_chunk(t):
         t["aqk"][0, sl] = float(t1 - t0)
         t["aqk_diag_lo"][0, sl] = (q.sum(-1) * 1e-3).to(t["aqk_diag_lo"].dtype)
         if t.get("akk_inv") is not None:
-            t["akk_inv"][0, sl] = float(t0 % 7)
+            t["akk_inv"][0, sl] = (k[..., :64] * 0.25).to(t["akk_inv"].dtype)  # from the data, not the position
         t["gamma"][c] = t["g"][0, sl].sum(0)
 
 
@@ -492,3 +492,27 @@ def test_a_call_names_every_buffer_its_plan_reads():
     assert call.rows(plan.Rows("handoff", 1, 2)).tolist() == [[2.0, 3.0]]
     with pytest.raises(KeyError):
         call.rows(plan.Rows("fwd_handoff", 0, 1))
+
+
+@pytest.mark.parametrize("lens", [[300, 129], [1, 63, 64, 65, 130, 2], [40] * 30 + [900, 5]], ids=["2", "6", "32"])
+@pytest.mark.parametrize("dh0", [True, False])
+def test_replay_in_segment_runs_and_head_groups_gives_the_one_pass_bits(kda_options, emulated, monkeypatch, lens,
+                                                                        dh0):
+    """replay_backward a run of whole segments at a time (views of contiguous token ranges) and a head group at a
+    time (copies) against one pass; outputs start as NaN, so a row no group wrote shows."""
+    _nan_empty(monkeypatch)
+    monkeypatch.setattr(backward, "_available_bytes", lambda device: 1 << 50)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 4, SEED + 7 * len(lens))
+    if not dh0:
+        h0 = dht = None
+    one = backward.replay_backward(q, k, v, g, beta, h0, cu, 0.1, do, dht)
+    for arm in ({"max_tokens": 130}, {"max_tokens": 1}, {"max_heads": 1}, {"max_heads": 3}):
+        kda_options(**arm)
+        tables = kda.tables_of(cu, q.shape[1], q.device)
+        got = backward.replay_backward(q, k, v, g, beta, h0, cu, 0.1, do, dht)
+        kind, groups = backward._LAST_GROUPS[(tables.bounds, 4, 1, torch.device(q.device))]
+        assert kind == ("segments" if "max_tokens" in arm else "heads") and len(groups) > 1, (arm, kind, groups)
+        for label, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), one, got):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (arm, label)
+        kda_options(max_tokens=0, max_heads=0)

@@ -1,8 +1,10 @@
 """The replay backward's head groups at H = 64 (docs/backward.md, "Head groups").
 
-ab: the shipped rule, one pass over every head when it fits without a group's input copies, against groups of
-    `max_heads` value heads (Options.max_heads), which copy their inputs and gradients. Interleaved CUDA-event
-    medians of the single suite's replay step (bench/step_time.py), each arm's peak memory and its groups.
+ab: the shipped rule (one pass over every head when it fits without a group's input copies) against groups of
+    `max_heads` value heads (Options.max_heads), which copy their inputs and gradients, and against runs of whole
+    segments of at most half the pack's tokens (Options.max_tokens), which read views and copy their gradients.
+    Interleaved CUDA-event medians of the single suite's replay step (bench/step_time.py), each arm's peak
+    memory and its groups.
 tight: the one pass with a ballast tensor that leaves just what the rule asks for (the estimate over the 15 %
     margin, plus 0.1 %), so the rule still picks one pass: it must run without running out of memory. Prints
     the estimate against what the backward allocated above its start.
@@ -14,6 +16,7 @@ import sys
 import torch
 
 from bench.common import interleaved, peak_gib
+from bench.packs import PACKS
 from bench.step_time import step_of
 from kda_aot.options import using
 from kda_aot.schedule import backward
@@ -24,12 +27,13 @@ GiB = 2 ** 30
 def ab(pack, H, cap, iters):
     step = step_of("replay", pack, H)
 
-    def arm(max_heads):
+    def arm(**groups):
         def run():
-            with using(max_heads=max_heads):
+            with using(**groups):
                 step()
         return run
-    arms = {"shipped": arm(0), f"groups of {cap}": arm(cap)}
+    T = sum(PACKS[pack])
+    arms = {"shipped": arm(), f"heads {cap}": arm(max_heads=cap), f"tokens {T // 2}": arm(max_tokens=T // 2)}
     for name, fn in arms.items():
         peak = peak_gib(fn)
         print(pack, H, name, f"peak {peak:.1f} GiB groups {list(backward._LAST_GROUPS.values())[-1]}", flush=True)
@@ -40,12 +44,12 @@ def ab(pack, H, cap, iters):
 def tight(pack, H):
     step = step_of("replay", pack, H)
     seen = {}
-    rule = backward.replay_head_groups
+    rule = backward.replay_groups
 
-    def recording(T, H, G, n_chunks, available, max_heads=0):
-        seen.update(allocated=torch.cuda.memory_allocated(), available=available, T=T, chunks=n_chunks)
-        return rule(T, H, G, n_chunks, available, max_heads)
-    backward.replay_head_groups = recording
+    def recording(bounds, lengths, H, G, available, gradient_bytes, *limits):
+        seen.update(allocated=torch.cuda.memory_allocated(), available=available, T=bounds[-1], chunks=sum(lengths))
+        return rule(bounds, lengths, H, G, available, gradient_bytes, *limits)
+    backward.replay_groups = recording
     try:
         step()
         torch.cuda.synchronize()
@@ -65,7 +69,7 @@ def tight(pack, H):
               f" GiB", flush=True)
         del ballast
     finally:
-        backward.replay_head_groups = rule
+        backward.replay_groups = rule
 
 
 def main():

@@ -250,14 +250,46 @@ def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-def replay_head_groups(T: int, H: int, G: int, n_chunks: int, available: int, max_heads: int = 0) -> list:
-    """The replay backward's groups of q, k heads [0, H) (each with its G value heads; max_heads, if not 0,
-    caps a group's value heads) in `available` bytes: one pass over every head when it fits, priced without
-    the input copies that only a group makes, else head_groups priced with them."""
+def segment_groups(bounds: tuple, chain_lengths: tuple, H: int, available: int, max_tokens: int = 0) -> list | None:
+    """Contiguous runs of whole segments [(s0, s1)], the fewest in pack order, each of whose one-pass replay over
+    H value heads fits in `available` bytes and, with max_tokens, holds at most that many tokens unless it is one
+    segment; None when one segment alone does not fit."""
+    first = (0, *itertools.accumulate(chain_lengths))
+
+    def fits(a, b):
+        if max_tokens and b - a > 1 and bounds[b] - bounds[a] > max_tokens:
+            return False
+        return H * replay_bytes_per_head(bounds[b] - bounds[a], first[b] - first[a], grouped=False) <= available
+    runs, a, n = [], 0, len(bounds) - 1
+    while a < n:
+        if not fits(a, a + 1):
+            return None
+        b = a + 1
+        while b < n and fits(a, b + 1):
+            b += 1
+        runs.append((a, b))
+        a = b
+    return runs
+
+
+def replay_groups(bounds: tuple, chain_lengths: tuple, H: int, G: int, available: int, gradient_bytes: int,
+                  max_heads: int = 0, max_tokens: int = 0) -> tuple:
+    """How the replay backward covers a pack (segment `bounds`, `chain_lengths` chunks each) of H q, k heads with
+    G value heads each in `available` bytes: ("one", [(0, H)]), one pass, when it fits; else ("segments",
+    segment_groups), runs of whole segments that read contiguous token ranges of the caller's tensors as they are,
+    each in what is left beside the whole gradients (`gradient_bytes`, allocated before the runs); else ("heads",
+    head_groups), groups of heads whose slices are copied, priced with the copies. max_heads (value heads a
+    group) and max_tokens (tokens a run) force the groups (Options: tests and A/B arms)."""
     limit = max(1, max_heads // G) if max_heads else 0
-    if (not limit or limit >= H) and H * G * replay_bytes_per_head(T, n_chunks, grouped=False) <= available:
-        return [(0, H)]
-    return head_groups(H, G * replay_bytes_per_head(T, n_chunks), available, limit)
+    T, C = bounds[-1] - bounds[0], sum(chain_lengths)
+    if limit and limit < H:
+        return "heads", head_groups(H, G * replay_bytes_per_head(T, C), available, limit)
+    if (not max_tokens or max_tokens >= T) and H * G * replay_bytes_per_head(T, C, grouped=False) <= available:
+        return "one", [(0, H)]
+    runs = segment_groups(bounds, chain_lengths, H * G, available - gradient_bytes, max_tokens)
+    if runs is not None:
+        return ("one", [(0, H)]) if len(runs) == 1 else ("segments", runs)
+    return "heads", head_groups(H, G * replay_bytes_per_head(T, C), available, 0)
 
 
 def _available_bytes(device) -> int:
@@ -268,17 +300,19 @@ def _available_bytes(device) -> int:
     return int(0.85 * (free + cached))
 
 
-_LAST_GROUPS: dict = {}  # (T, q heads, group, n_chunks, device) -> the grouping of the last eager call
+_LAST_GROUPS: dict = {}  # (segment bounds, q heads, group, device) -> the grouping of the last eager call
 
 
-def _replay_groups(T: int, H: int, G: int, n_chunks: int, device) -> list:
-    """The replay backward's groups of q, k heads [0, H), each with its G value heads (Options.max_heads
-    counts value heads). Under CUDA-graph capture no memory query is made: the
-    grouping of the last eager call of this shape is reused (warm up before capturing)."""
-    key = (T, H, G, n_chunks, torch.device(device))
+def _replay_groups(tables, H: int, G: int, gradient_bytes: int, device) -> tuple:
+    """replay_groups for this pack on `device` (Options.max_heads, max_tokens). Under CUDA-graph capture no memory
+    query is made: the grouping of the last eager call of this pack and shape is reused (warm up before
+    capturing)."""
+    key = (tables.bounds, H, G, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
-        return _LAST_GROUPS.get(key, [(0, H)])
-    groups = replay_head_groups(T, H, G, n_chunks, _available_bytes(device), options.current().max_heads)
+        return _LAST_GROUPS.get(key, ("one", [(0, H)]))
+    opts = options.current()
+    groups = replay_groups(tables.bounds, tables.chain_lengths, H, G, _available_bytes(device), gradient_bytes,
+                           opts.max_heads, opts.max_tokens)
     _LAST_GROUPS[key] = groups
     return groups
 
@@ -376,39 +410,69 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
 
 def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN,
                     kept=None):
-    """Replay backward, a head group at a time when one pass does not fit (H = 64 on long packs). With
-    gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
+    """Replay backward: one pass, or a run of whole segments at a time, or a head group at a time, as memory
+    allows (replay_groups; every grouping bitwise the one pass: segments and heads are independent in every
+    kernel). With gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
     (_gate_result). With grouped value heads a head group is whole q, k heads, each with its value heads.
     beta_kind (kda.BETA_KINDS): beta is the logits and dbeta their gradient. kept: what the forward kept for the
     replay's chunk stage (kda.REPLAY_KEPT's tensors: kda._chunk_stage_tensors), or None."""
     T, H = v.shape[1], v.shape[2]
     G = H // q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
-    groups = [(a * G, b * G) for a, b in _replay_groups(T, q.shape[2], G, tables.chunks.shape[0], q.device)]
-    if len(groups) == 1:
+    C = tables.chunks.shape[0]
+    gradient_bytes = (2 * q.nbytes + v.nbytes + g.nbytes + 4 * T * H
+                      + tables.n_segments * H * kda.HEAD_DIM * kda.HEAD_DIM * 4
+                      + (C * H * (2 + kda.HEAD_DIM) * 4 if gate is not None else 0))
+    kind, groups = _replay_groups(tables, q.shape[2], G, gradient_bytes, q.device)
+    if kind == "one":
         return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate, beta_kind, kept)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
-             None if h0 is None and dht is None else
              torch.empty(tables.n_segments, H, kda.HEAD_DIM, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
     if gate is not None:
-        C = tables.chunks.shape[0]
         grads += (torch.empty(C, H, 2, device=q.device, dtype=torch.float32),
                   torch.empty(C, H, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
+    step = _replay_segments if kind == "segments" else _replay_heads
     for a, b in groups:
-        part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
-        state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
-        qk = lambda x: x[:, :, a // G:b // G].contiguous()  # noqa: E731
-        got = _replay_step(qk(q), qk(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0),
-                           cu_seqlens, scale, part(do), state(dht), None if gate is None else gate.heads(a, b),
-                           beta_kind, None if kept is None else {name: part(x) for name, x in kept.items()})
-        for full, x in zip(grads[:2], got[:2]):
-            full[:, :, a // G:b // G].copy_(x)
-        for full, x in zip(grads[2:5], got[2:5]):
-            full[:, :, a:b].copy_(x)
-        if grads[5] is not None:
-            grads[5][:, a:b].copy_(got[5])
-        if gate is not None:
-            grads[6][:, a:b].copy_(got[6])
-            grads[7][:, a:b].copy_(got[7])
+        step(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept)
     return grads
+
+
+def _replay_segments(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept):
+    """Segments [a, b) of the replay into `grads`: their tokens are one contiguous range of every per-token
+    tensor, read as views (no copies), and their chunks one range of the per-chunk gate parts."""
+    t0, t1 = tables.bounds[a], tables.bounds[b]
+    first = (0, *itertools.accumulate(tables.chain_lengths))
+    c0, c1 = first[a], first[b]
+    cu = torch.tensor([x - t0 for x in tables.bounds[a:b + 1]], dtype=torch.int32)
+    rows = lambda x: None if x is None else x[:, t0:t1]  # noqa: E731
+    segs = lambda x: None if x is None else x[a:b]  # noqa: E731
+    got = _replay_step(rows(q), rows(k), rows(v), rows(g), rows(beta), segs(h0), cu, scale, rows(do), segs(dht),
+                       gate, beta_kind, None if kept is None else {name: rows(x) for name, x in kept.items()})
+    for full, x in zip(grads[:5], got[:5]):
+        full[:, t0:t1].copy_(x)
+    grads[5][a:b].copy_(got[5])
+    if gate is not None:
+        grads[6][c0:c1].copy_(got[6])
+        grads[7][c0:c1].copy_(got[7])
+
+
+def _replay_heads(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept):
+    """q, k heads [a, b) of the replay (with their value heads) into `grads`, from contiguous copies of their
+    slices."""
+    G = v.shape[2] // q.shape[2]
+    a, b = a * G, b * G
+    part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
+    state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
+    qk = lambda x: x[:, :, a // G:b // G].contiguous()  # noqa: E731
+    got = _replay_step(qk(q), qk(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0), tables, scale,
+                       part(do), state(dht), None if gate is None else gate.heads(a, b), beta_kind,
+                       None if kept is None else {name: part(x) for name, x in kept.items()})
+    for full, x in zip(grads[:2], got[:2]):
+        full[:, :, a // G:b // G].copy_(x)
+    for full, x in zip(grads[2:5], got[2:5]):
+        full[:, :, a:b].copy_(x)
+    grads[5][:, a:b].copy_(got[5])
+    if gate is not None:
+        grads[6][:, a:b].copy_(got[6])
+        grads[7][:, a:b].copy_(got[7])
