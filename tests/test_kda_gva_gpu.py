@@ -71,13 +71,14 @@ def test_gradients_both_modes_bitwise_and_right(kda_options, G, form):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), saved, replay):
         assert torch.equal(a, b), f"{name}: saved and replay differ"
     assert saved[0].shape == q.shape and saved[1].shape == k.shape
-    # replay head groups are whole q, k heads with their value heads (max_heads counts value heads)
-    for max_heads in (1, G + 1):
-        kda_options(max_heads=max_heads)
+    # replay head groups are whole q, k heads with their value heads (max_heads counts value heads); runs of
+    # whole segments sum dq, dk over the value heads per run
+    for groups in ({"max_heads": 1}, {"max_heads": G + 1}, {"max_tokens": 1}):
+        kda_options(**{"max_heads": 0, "max_tokens": 0, **groups})
         grouped = _grads(q, k, v, g, beta, cu, h0, dout, dht, "replay")
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), replay, grouped):
-            assert torch.equal(a, b), f"{name}: the replay in head groups (max_heads {max_heads}) differs"
-    kda_options(max_heads=0)
+            assert torch.equal(a, b), f"{name}: the replay in groups ({groups}) differs"
+    kda_options(max_heads=0, max_tokens=0)
     cpu = [x.cpu() for x in (q, k, v, g, beta)]
     rs = reference.kda_chunked_fwd_saved(*cpu, cu_seqlens=cu.cpu(), initial_state=h0.cpu())
     want = reference.kda_chunked_bwd(rs, dout.cpu(), dht.cpu(), q=cpu[0], k=cpu[1], v=cpu[2], g=cpu[3], beta=cpu[4])

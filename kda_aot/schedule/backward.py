@@ -74,7 +74,8 @@ def bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     bf16 = dict(device=v.device, dtype=torch.bfloat16)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
-    t.update(dout=dout.contiguous(), dtape=dtape, dv=torch.empty_like(v),
+    into = saved.get("into") or {}  # gradients' destinations given by the caller (_replay_segments)
+    t.update(dout=dout.contiguous(), dtape=dtape, dv=out_or(into, "dv", lambda: torch.empty_like(v)),
              beta_kind=saved["beta_kind"],
              drk=torch.empty(1, T, H, kda.HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, kda.HEAD_DIM, **bf16),
              dkg=torch.empty(1, T, H, kda.HEAD_DIM, **f32), daqk=torch.empty(1, T, H, CHUNK, **bf16),
@@ -101,7 +102,9 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
                                              "dgam_s")})
-    t.update(dq=torch.empty_like(v), dk=torch.empty_like(v), dg=torch.empty_like(saved["g"]), scale=saved["scale"],
+    into = saved.get("into") or {}  # gradients' destinations given by the caller (_replay_segments)
+    t.update(dq=out_or(into, "dq", lambda: torch.empty_like(v)), dk=out_or(into, "dk", lambda: torch.empty_like(v)),
+             dg=out_or(into, "dg", lambda: torch.empty_like(saved["g"])), scale=saved["scale"],
              beta_kind=saved["beta_kind"])
     gate = saved.get("gate")
     if gate is not None:  # each chunk's parts of the gate parameters' gradients, summed after in a fixed order
@@ -349,24 +352,27 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
     return saved, walk
 
 
-def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN, kept=None):
+def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN, kept=None,
+                 into=None):
     """One replay pass: the chunk stage, the two walks side by side (replay_walks; pipelined with
     the chunk stage unless Options.pipeline is off, kda_bwd_chunk then a group at a time behind them), then
     the chunk-parallel backward. Bitwise the same as the saved-context backward. kept: the forward's aqk and
-    inv_pack (kda._chunk_stage_tensors), or None: the chunk stage forms them again."""
+    inv_pack (kda._chunk_stage_tensors), or None: the chunk stage forms them again. into: tensors the kernels
+    write some gradients into (dv, dg, and dq, dk without grouped value heads), else they are allocated."""
     if kda._pipeline_on():
         saved, walk, parts = replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=gate,
-                                                    beta_kind=beta_kind, bwd_chunk=True, kept=kept)
+                                                    beta_kind=beta_kind, bwd_chunk=True, kept=kept, into=into)
         return chunk_kda_bwd(saved, do, dht, release=True, walk=walk, parts=parts)
     prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale, initial_state=h0,
                                      save_tape=True, gate=gate, beta_kind=beta_kind, kept=kept)
     saved, walk = replay_walks(prepared, h0, do, dht)
     del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
+    saved["into"] = into
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
 def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, skip_bwd=(), pieced=False,
-                            gate=None, beta_kind=kda.BETA_PLAIN, bwd_chunk=False, kept=None):
+                            gate=None, beta_kind=kda.BETA_PLAIN, bwd_chunk=False, kept=None, into=None):
     """The replay's chunk stage and walks in the pipelined order (plan.replay_plan, run by execute.run):
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
     planned on half the SMs as in replay_walks. Returns what replay_walks returns (with bwd_chunk, a third value
@@ -397,7 +403,7 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
                        bwd_chunk=bwd_chunk)
     piece_chunks, handoff = execute.piece_buffers(plan, H, q.device, ("fwd_handoff", "bwd_handoff"))
     buffers = {"initial_state": h0, "dfinal_state": dht, "dinitial_state": dh0, **handoff}
-    saved = dict(prepared, initial_state=h0, **outs)
+    saved = dict(prepared, initial_state=h0, into=into, **outs)
     launched = None
     if bwd_chunk:  # allocated before the walks: qg (the backward walk's) is alive beside them, replay_bytes_per_head
         launched = (bwd_chunk_tensors(saved, do, dtape), kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS))
@@ -440,17 +446,23 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None,
 
 def _replay_segments(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept):
     """Segments [a, b) of the replay into `grads`: their tokens are one contiguous range of every per-token
-    tensor, read as views (no copies), and their chunks one range of the per-chunk gate parts."""
+    tensor, read as views and written in place (no copies but dbeta's and, with grouped value heads, dq's and
+    dk's), and their chunks one range of the per-chunk gate parts."""
     t0, t1 = tables.bounds[a], tables.bounds[b]
     first = (0, *itertools.accumulate(tables.chain_lengths))
     c0, c1 = first[a], first[b]
     cu = torch.tensor([x - t0 for x in tables.bounds[a:b + 1]], dtype=torch.int32)
     rows = lambda x: None if x is None else x[:, t0:t1]  # noqa: E731
     segs = lambda x: None if x is None else x[a:b]  # noqa: E731
+    # the kernels write dv, dg (and dq, dk: one value head a q, k head) into the run's rows of the whole gradients
+    into = {"dv": rows(grads[2]), "dg": rows(grads[3])}
+    if v.shape[2] == q.shape[2]:
+        into.update(dq=rows(grads[0]), dk=rows(grads[1]))
     got = _replay_step(rows(q), rows(k), rows(v), rows(g), rows(beta), segs(h0), cu, scale, rows(do), segs(dht),
-                       gate, beta_kind, None if kept is None else {name: rows(x) for name, x in kept.items()})
+                       gate, beta_kind, None if kept is None else {name: rows(x) for name, x in kept.items()}, into)
     for full, x in zip(grads[:5], got[:5]):
-        full[:, t0:t1].copy_(x)
+        if x.data_ptr() != rows(full).data_ptr():
+            rows(full).copy_(x)
     grads[5][a:b].copy_(got[5])
     if gate is not None:
         grads[6][c0:c1].copy_(got[6])
