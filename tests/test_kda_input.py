@@ -212,39 +212,42 @@ def test_replay_working_set_is_counted_per_head():
     assert b - replay_bytes_per_head(249856, 3904, grouped=False) == 249856 * 1538
 
 
-def test_replay_runs_one_pass_then_segment_runs_then_head_groups():
-    from kda_aot.schedule.backward import replay_bytes_per_head, replay_groups, segment_groups
+def test_replay_tiles_one_pass_then_segment_runs_then_head_groups():
+    from kda_aot.schedule.backward import replay_bytes_per_head, replay_tiles
     bounds = (0, 101377, 142338, 220115, 249856)  # Q1
     lengths = tuple(-(-(b - a) // 64) for a, b in zip(bounds, bounds[1:]))
     T, C = bounds[-1], sum(lengths)
     alone, grouped = replay_bytes_per_head(T, C, grouped=False), replay_bytes_per_head(T, C)
     # H = 64: fits in one pass (no copies) but not with the copies counted -> one pass
-    assert replay_groups(bounds, lengths, 64, 1, 64 * alone, 0) == ("one", [(0, 64)])
+    assert replay_tiles(bounds, lengths, 64, 1, 64 * alone, 0) == [(0, 4, 0, 64)]
     assert 64 * grouped > 64 * alone
-    # short of one pass: runs of whole segments, each in what is left beside the whole gradients
-    kind, runs = replay_groups(bounds, lengths, 64, 1, 64 * alone - 1, 0)
-    assert kind == "segments" and runs == [(0, 3), (3, 4)]  # the fewest runs, filled in pack order
-    assert replay_groups(bounds, lengths, 64, 1, 64 * alone, 64 * alone // 2)[0] == "one"
-    kind, runs = replay_groups(bounds, lengths, 64, 1, 64 * alone - 1, 64 * alone // 2)
-    assert kind == "segments" and runs == [(0, 1), (1, 3), (3, 4)]
-    for a, b in runs:  # each run fits in what is left
+    # short of one pass: runs of whole segments over every head, the fewest, filled in pack order
+    assert replay_tiles(bounds, lengths, 64, 1, 64 * alone - 1, 0) == [(0, 3, 0, 64), (3, 4, 0, 64)]
+    assert replay_tiles(bounds, lengths, 64, 1, 64 * alone, 64 * alone // 2) == [(0, 4, 0, 64)]
+    tiles = replay_tiles(bounds, lengths, 64, 1, 64 * alone - 1, 64 * alone // 2)
+    assert tiles == [(0, 1, 0, 64), (1, 3, 0, 64), (3, 4, 0, 64)]
+    for a, b, _, _ in tiles:  # each run fits in what is left beside the whole gradients
         t, c = bounds[b] - bounds[a], sum(lengths[a:b])
         assert 64 * replay_bytes_per_head(t, c, grouped=False) <= 64 * alone - 1 - 64 * alone // 2
-    # one document alone does not fit: head groups, priced with their copies
+    # a segment that alone does not fit is cut into head groups, priced with their copies; the rest run whole
+    first = replay_bytes_per_head(bounds[1], lengths[0], grouped=False)
+    left = 64 * first - 1
+    tiles = replay_tiles(bounds, lengths, 64, 1, left, 0)
+    assert tiles == [(0, 1, 0, 32), (0, 1, 32, 64), (1, 2, 0, 64), (2, 3, 0, 64), (3, 4, 0, 64)]
     one_doc = (0, T)
-    kind, groups = replay_groups(one_doc, (C,), 64, 1, 64 * alone - 1, 0)
-    assert kind == "heads" and groups == [(0, 32), (32, 64)]
-    assert replay_groups(one_doc, (C,), 64, 1, 32 * grouped - 1, 0) == ("heads", [(0, 21), (21, 43), (43, 64)])
-    # max_heads caps a group's value heads (GVA: G value heads a q, k head); max_tokens a run's tokens
-    assert replay_groups(bounds, lengths, 64, 1, 10 ** 15, 0, max_heads=32) == ("heads", [(0, 32), (32, 64)])
-    assert replay_groups(bounds, lengths, 16, 4, 10 ** 15, 0, max_heads=32) == ("heads", [(0, 8), (8, 16)])
-    assert replay_groups(bounds, lengths, 16, 4, 10 ** 15, 0, max_heads=64)[0] == "one"
-    assert replay_groups(bounds, lengths, 32, 1, 10 ** 15, 0, max_tokens=150000) == ("segments", [(0, 2), (2, 4)])
-    assert replay_groups(bounds, lengths, 32, 1, 10 ** 15, 0, max_tokens=T)[0] == "one"
+    assert replay_tiles(one_doc, (C,), 64, 1, 64 * alone - 1, 0) == [(0, 1, 0, 32), (0, 1, 32, 64)]
+    assert replay_tiles(one_doc, (C,), 64, 1, 32 * grouped - 1, 0) == [(0, 1, 0, 21), (0, 1, 21, 43), (0, 1, 43, 64)]
+    # max_heads caps a tile's value heads (GVA: G value heads a q, k head); max_tokens a run's tokens
+    assert replay_tiles(bounds, lengths, 64, 1, 10 ** 15, 0, max_heads=32) == [(0, 4, 0, 32), (0, 4, 32, 64)]
+    assert replay_tiles(bounds, lengths, 16, 4, 10 ** 15, 0, max_heads=32) == [(0, 4, 0, 8), (0, 4, 8, 16)]
+    assert replay_tiles(bounds, lengths, 16, 4, 10 ** 15, 0, max_heads=64) == [(0, 4, 0, 16)]
+    assert replay_tiles(bounds, lengths, 32, 1, 10 ** 15, 0, max_tokens=150000) == [(0, 2, 0, 32), (2, 4, 0, 32)]
+    assert replay_tiles(bounds, lengths, 32, 1, 10 ** 15, 0, max_tokens=T) == [(0, 4, 0, 32)]
+    assert replay_tiles(bounds, lengths, 2, 1, 10 ** 15, 0, max_heads=1, max_tokens=150000) == [
+        (0, 2, 0, 1), (0, 2, 1, 2), (2, 4, 0, 1), (2, 4, 1, 2)]
     # a segment longer than max_tokens is a run of its own; runs cover every segment in order
-    assert segment_groups((0, 10, 500, 520, 530), (1, 8, 1, 1), 1, 10 ** 15, max_tokens=100) == \
-        [(0, 1), (1, 2), (2, 4)]
-    assert segment_groups((0, 10, 500), (1, 8), 4, 4 * replay_bytes_per_head(10, 1, grouped=False)) is None
+    assert replay_tiles((0, 10, 500, 520, 530), (1, 8, 1, 1), 1, 1, 10 ** 15, 0, max_tokens=100) == [
+        (0, 1, 0, 1), (1, 2, 0, 1), (2, 4, 0, 1)]
 
 
 def test_chunk_kda_batched_and_packed_shapes_are_checked():

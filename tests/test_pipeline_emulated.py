@@ -496,10 +496,10 @@ def test_a_call_names_every_buffer_its_plan_reads():
 
 @pytest.mark.parametrize("lens", [[300, 129], [1, 63, 64, 65, 130, 2], [40] * 30 + [900, 5]], ids=["2", "6", "32"])
 @pytest.mark.parametrize("dh0", [True, False])
-def test_replay_in_segment_runs_and_head_groups_gives_the_one_pass_bits(kda_options, emulated, monkeypatch, lens,
-                                                                        dh0):
-    """replay_backward a run of whole segments at a time (views of contiguous token ranges) and a head group at a
-    time (copies) against one pass; outputs start as NaN, so a row no group wrote shows."""
+def test_replay_in_tiles_gives_the_one_pass_bits(kda_options, emulated, monkeypatch, lens, dh0):
+    """replay_backward a tile at a time against one pass: runs of whole segments over every head (views of
+    contiguous token ranges, gradients written in place), head groups over the whole pack and over runs (copies);
+    outputs start as NaN, so a row no tile wrote shows."""
     _nan_empty(monkeypatch)
     monkeypatch.setattr(backward, "_available_bytes", lambda device: 1 << 50)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -511,20 +511,22 @@ def test_replay_in_segment_runs_and_head_groups_gives_the_one_pass_bits(kda_opti
 
     def spied(*args):
         got = step(*args)
-        into = args[-1] if len(args) == 14 else None
-        if into is not None:  # a segment run: the kernels wrote dq, dk, dv, dg into the whole gradients' rows
+        if args[-1] is not None:  # a tile over every head: the kernels wrote dq, dk, dv, dg into the gradients
             names = ("dq", "dk", "dv", "dg")
-            in_place.append(all(got[i].data_ptr() == into[n].data_ptr() for i, n in enumerate(names)))
+            in_place.append(all(got[i].data_ptr() == args[-1][n].data_ptr() for i, n in enumerate(names)))
         return got
     monkeypatch.setattr(backward, "_replay_step", spied)
-    for arm in ({"max_tokens": 130}, {"max_tokens": 1}, {"max_heads": 1}, {"max_heads": 3}):
+    tables = kda.tables_of(cu, q.shape[1], q.device)
+    for arm in ({"max_tokens": 130}, {"max_tokens": 1}, {"max_heads": 1}, {"max_heads": 3},
+                {"max_tokens": 130, "max_heads": 3}):
+        kda_options(max_tokens=0, max_heads=0)
         kda_options(**arm)
-        tables = kda.tables_of(cu, q.shape[1], q.device)
         got = backward.replay_backward(q, k, v, g, beta, h0, cu, 0.1, do, dht)
-        kind, groups = backward._LAST_GROUPS[(tables.bounds, 4, 1, torch.device(q.device))]
-        assert kind == ("segments" if "max_tokens" in arm else "heads") and len(groups) > 1, (arm, kind, groups)
-        assert in_place == ([True] * len(groups) if kind == "segments" else []), in_place
+        tiles = backward._LAST_TILES[(tables.bounds, 4, 1, torch.device(q.device))]
+        every = [hb - ha == 4 for _, _, ha, hb in tiles]
+        assert len(tiles) > 1 and all(every) == ("max_heads" not in arm), (arm, tiles)
+        assert in_place == [True] * sum(every), in_place
         in_place.clear()
         for label, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), one, got):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (arm, label)
-        kda_options(max_tokens=0, max_heads=0)
+    kda_options(max_tokens=0, max_heads=0)

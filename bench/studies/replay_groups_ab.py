@@ -36,7 +36,7 @@ def ab(pack, H, cap, iters):
     arms = {"shipped": arm(), f"heads {cap}": arm(max_heads=cap), f"tokens {T // 2}": arm(max_tokens=T // 2)}
     for name, fn in arms.items():
         peak = peak_gib(fn)
-        print(pack, H, name, f"peak {peak:.1f} GiB groups {list(backward._LAST_GROUPS.values())[-1]}", flush=True)
+        print(pack, H, name, f"peak {peak:.1f} GiB groups {list(backward._LAST_TILES.values())[-1]}", flush=True)
     ms = interleaved(arms, iters=iters, warmup=1)
     print(pack, H, " ".join(f"{name} {t:.2f} ms" for name, t in ms.items()), flush=True)
 
@@ -44,12 +44,12 @@ def ab(pack, H, cap, iters):
 def tight(pack, H):
     step = step_of("replay", pack, H)
     seen = {}
-    rule = backward.replay_groups
+    rule = backward.replay_tiles
 
     def recording(bounds, lengths, H, G, available, gradient_bytes, *limits):
         seen.update(allocated=torch.cuda.memory_allocated(), available=available, T=bounds[-1], chunks=sum(lengths))
         return rule(bounds, lengths, H, G, available, gradient_bytes, *limits)
-    backward.replay_groups = recording
+    backward.replay_tiles = recording
     try:
         step()
         torch.cuda.synchronize()
@@ -63,13 +63,13 @@ def tight(pack, H):
         step()
         torch.cuda.synchronize()
         above = torch.cuda.max_memory_allocated() - seen["allocated"]
-        print(f"{pack} H {H} tight: groups {list(backward._LAST_GROUPS.values())[-1]}, available "
+        print(f"{pack} H {H} tight: tiles {list(backward._LAST_TILES.values())[-1]}, available "
               f"{seen['available'] / GiB:.2f} GiB, the backward's peak above its start {above / GiB:.2f} GiB "
               f"({above / estimate:.3f} of the estimate), device peak {torch.cuda.max_memory_allocated() / GiB:.1f}"
               f" GiB", flush=True)
         del ballast
     finally:
-        backward.replay_groups = rule
+        backward.replay_tiles = rule
 
 
 def main():

@@ -74,7 +74,7 @@ def bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     bf16 = dict(device=v.device, dtype=torch.bfloat16)
     t = {name: saved[name] for name in ("chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "v", "u", "vnew",
                                          "akk_inv", "beta", "tape")}
-    into = saved.get("into") or {}  # gradients' destinations given by the caller (_replay_segments)
+    into = saved.get("into") or {}  # gradients' destinations given by the caller (_replay_tile)
     t.update(dout=dout.contiguous(), dtape=dtape, dv=out_or(into, "dv", lambda: torch.empty_like(v)),
              beta_kind=saved["beta_kind"],
              drk=torch.empty(1, T, H, kda.HEAD_DIM, **bf16), dqg=torch.empty(1, T, H, kda.HEAD_DIM, **bf16),
@@ -102,7 +102,7 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
     t = {name: saved[name] for name in ("q", "k", "g", "beta", "chunks", "seg_chunks")}
     t.update({name: parts[name] for name in ("daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg", "drk", "dbeta_v",
                                              "dgam_s")})
-    into = saved.get("into") or {}  # gradients' destinations given by the caller (_replay_segments)
+    into = saved.get("into") or {}  # gradients' destinations given by the caller (_replay_tile)
     t.update(dq=out_or(into, "dq", lambda: torch.empty_like(v)), dk=out_or(into, "dk", lambda: torch.empty_like(v)),
              dg=out_or(into, "dg", lambda: torch.empty_like(saved["g"])), scale=saved["scale"],
              beta_kind=saved["beta_kind"])
@@ -240,59 +240,51 @@ def replay_bytes_per_head(T: int, n_chunks: int, grouped: bool = True) -> int:
     return T * (1664 + 1544 + copies) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
 
 
-def head_groups(H: int, per_head: int, available: int, max_heads=None) -> list:
+def head_groups(H: int, per_head: int, available: int, max_heads: int = 0) -> list:
     """Split heads [0, H) into the fewest near-equal contiguous groups whose replay backward fits in
     `available` bytes (at least one head per group). Heads are independent in every kernel, so any
-    grouping gives bitwise the same gradients. max_heads (else Options.max_heads) caps a group."""
+    grouping gives bitwise the same gradients. max_heads (if not 0) caps a group."""
     cap = max(1, available // max(per_head, 1))
-    limit = max_heads if max_heads is not None else options.current().max_heads
-    if limit:
-        cap = min(cap, int(limit))
+    if max_heads:
+        cap = min(cap, int(max_heads))
     n = -(-H // min(cap, H))
     bounds = [round(i * H / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-def segment_groups(bounds: tuple, chain_lengths: tuple, H: int, available: int, max_tokens: int = 0) -> list | None:
-    """Contiguous runs of whole segments [(s0, s1)], the fewest in pack order, each of whose one-pass replay over
-    H value heads fits in `available` bytes and, with max_tokens, holds at most that many tokens unless it is one
-    segment; None when one segment alone does not fit."""
+def replay_tiles(bounds: tuple, chain_lengths: tuple, H: int, G: int, available: int, gradient_bytes: int,
+                 max_heads: int = 0, max_tokens: int = 0) -> list:
+    """How the replay backward covers a pack (segment `bounds`, `chain_lengths` chunks each) of H q, k heads with
+    G value heads each in `available` bytes: tiles (s0, s1, h0, h1), segments [s0, s1) x q, k heads [h0, h1), run
+    one after another. One tile, one pass, when it fits (priced without copies: it reads the caller's tensors as
+    they are). Else runs of whole segments, the fewest in pack order, each over every head fitting beside the
+    whole gradients allocated first (`gradient_bytes`): a run's tokens are one contiguous range of every tensor,
+    read as views. A segment that alone does not fit is cut into head groups, whose slices are copied (priced
+    with the copies). max_heads (value heads a tile) and max_tokens (tokens a run, unless it is one segment)
+    force tiles (Options: tests and A/B arms)."""
+    n, limit = len(bounds) - 1, max(1, max_heads // G) if max_heads else 0
+    every = not limit or limit >= H
     first = (0, *itertools.accumulate(chain_lengths))
+
+    def need(a, b, copies=False):  # bytes a head of segments [a, b) needs
+        return G * replay_bytes_per_head(bounds[b] - bounds[a], first[b] - first[a], grouped=copies)
+    if every and (not max_tokens or max_tokens >= bounds[n] - bounds[0]) and H * need(0, n) <= available:
+        return [(0, n, 0, H)]
+    left = available - gradient_bytes
 
     def fits(a, b):
         if max_tokens and b - a > 1 and bounds[b] - bounds[a] > max_tokens:
             return False
-        return H * replay_bytes_per_head(bounds[b] - bounds[a], first[b] - first[a], grouped=False) <= available
-    runs, a, n = [], 0, len(bounds) - 1
+        return H * need(a, b) <= left
+    tiles, a = [], 0
     while a < n:
-        if not fits(a, a + 1):
-            return None
         b = a + 1
-        while b < n and fits(a, b + 1):
+        while fits(a, b) and b < n and fits(a, b + 1):
             b += 1
-        runs.append((a, b))
+        heads = [(0, H)] if every and fits(a, b) else head_groups(H, need(a, b, copies=True), left, limit)
+        tiles += [(a, b, h0, h1) for h0, h1 in heads]
         a = b
-    return runs
-
-
-def replay_groups(bounds: tuple, chain_lengths: tuple, H: int, G: int, available: int, gradient_bytes: int,
-                  max_heads: int = 0, max_tokens: int = 0) -> tuple:
-    """How the replay backward covers a pack (segment `bounds`, `chain_lengths` chunks each) of H q, k heads with
-    G value heads each in `available` bytes: ("one", [(0, H)]), one pass, when it fits; else ("segments",
-    segment_groups), runs of whole segments that read contiguous token ranges of the caller's tensors as they are,
-    each in what is left beside the whole gradients (`gradient_bytes`, allocated before the runs); else ("heads",
-    head_groups), groups of heads whose slices are copied, priced with the copies. max_heads (value heads a
-    group) and max_tokens (tokens a run) force the groups (Options: tests and A/B arms)."""
-    limit = max(1, max_heads // G) if max_heads else 0
-    T, C = bounds[-1] - bounds[0], sum(chain_lengths)
-    if limit and limit < H:
-        return "heads", head_groups(H, G * replay_bytes_per_head(T, C), available, limit)
-    if (not max_tokens or max_tokens >= T) and H * G * replay_bytes_per_head(T, C, grouped=False) <= available:
-        return "one", [(0, H)]
-    runs = segment_groups(bounds, chain_lengths, H * G, available - gradient_bytes, max_tokens)
-    if runs is not None:
-        return ("one", [(0, H)]) if len(runs) == 1 else ("segments", runs)
-    return "heads", head_groups(H, G * replay_bytes_per_head(T, C), available, 0)
+    return tiles
 
 
 def _available_bytes(device) -> int:
@@ -303,21 +295,21 @@ def _available_bytes(device) -> int:
     return int(0.85 * (free + cached))
 
 
-_LAST_GROUPS: dict = {}  # (segment bounds, q heads, group, device) -> the grouping of the last eager call
+_LAST_TILES: dict = {}  # (segment bounds, q heads, group, device) -> the tiles of the last eager call
 
 
-def _replay_groups(tables, H: int, G: int, gradient_bytes: int, device) -> tuple:
-    """replay_groups for this pack on `device` (Options.max_heads, max_tokens). Under CUDA-graph capture no memory
-    query is made: the grouping of the last eager call of this pack and shape is reused (warm up before
+def _replay_tiles(tables, H: int, G: int, gradient_bytes: int, device) -> list:
+    """replay_tiles for this pack on `device` (Options.max_heads, max_tokens). Under CUDA-graph capture no memory
+    query is made: the tiles of the last eager call of this pack and shape are reused (warm up before
     capturing)."""
     key = (tables.bounds, H, G, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
-        return _LAST_GROUPS.get(key, ("one", [(0, H)]))
+        return _LAST_TILES.get(key, [(0, tables.n_segments, 0, H)])
     opts = options.current()
-    groups = replay_groups(tables.bounds, tables.chain_lengths, H, G, _available_bytes(device), gradient_bytes,
-                           opts.max_heads, opts.max_tokens)
-    _LAST_GROUPS[key] = groups
-    return groups
+    tiles = replay_tiles(tables.bounds, tables.chain_lengths, H, G, _available_bytes(device), gradient_bytes,
+                         opts.max_heads, opts.max_tokens)
+    _LAST_TILES[key] = tiles
+    return tiles
 
 
 def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=True):
@@ -416,21 +408,20 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
 
 def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN,
                     kept=None):
-    """Replay backward: one pass, or a run of whole segments at a time, or a head group at a time, as memory
-    allows (replay_groups; every grouping bitwise the one pass: segments and heads are independent in every
-    kernel). With gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
+    """Replay backward in one pass, or a tile (a run of whole segments x a group of heads) at a time as memory
+    allows (replay_tiles; every tiling bitwise the one pass: segments and heads are independent in every kernel).
+    With gate (a kda.GateActivation) it returns the parts of dA_log and ddt_bias after the six gradients
     (_gate_result). With grouped value heads a head group is whole q, k heads, each with its value heads.
     beta_kind (kda.BETA_KINDS): beta is the logits and dbeta their gradient. kept: what the forward kept for the
     replay's chunk stage (kda.REPLAY_KEPT's tensors: kda._chunk_stage_tensors), or None."""
     T, H = v.shape[1], v.shape[2]
-    G = H // q.shape[2]
     tables = kda.tables_of(cu_seqlens, T, q.device)
     C = tables.chunks.shape[0]
     gradient_bytes = (2 * q.nbytes + v.nbytes + g.nbytes + 4 * T * H
                       + tables.n_segments * H * kda.HEAD_DIM * kda.HEAD_DIM * 4
                       + (C * H * (2 + kda.HEAD_DIM) * 4 if gate is not None else 0))
-    kind, groups = _replay_groups(tables, q.shape[2], G, gradient_bytes, q.device)
-    if kind == "one":
+    tiles = _replay_tiles(tables, q.shape[2], H // q.shape[2], gradient_bytes, q.device)
+    if len(tiles) == 1:
         return _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate, beta_kind, kept)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
              torch.empty(beta.shape, device=q.device, dtype=torch.float32),
@@ -438,53 +429,42 @@ def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None,
     if gate is not None:
         grads += (torch.empty(C, H, 2, device=q.device, dtype=torch.float32),
                   torch.empty(C, H, kda.HEAD_DIM, device=q.device, dtype=torch.float32))
-    step = _replay_segments if kind == "segments" else _replay_heads
-    for a, b in groups:
-        step(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept)
+    first = (0, *itertools.accumulate(tables.chain_lengths))
+    for a, b, qa, qb in tiles:
+        _replay_tile(grads, (a, b), (first[a], first[b]), (qa, qb), q, k, v, g, beta, h0, tables, scale, do, dht,
+                     gate, beta_kind, kept)
     return grads
 
 
-def _replay_segments(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept):
-    """Segments [a, b) of the replay into `grads`: their tokens are one contiguous range of every per-token
-    tensor, read as views and written in place (no copies but dbeta's and, with grouped value heads, dq's and
-    dk's), and their chunks one range of the per-chunk gate parts."""
-    t0, t1 = tables.bounds[a], tables.bounds[b]
-    first = (0, *itertools.accumulate(tables.chain_lengths))
-    c0, c1 = first[a], first[b]
-    cu = torch.tensor([x - t0 for x in tables.bounds[a:b + 1]], dtype=torch.int32)
-    rows = lambda x: None if x is None else x[:, t0:t1]  # noqa: E731
-    segs = lambda x: None if x is None else x[a:b]  # noqa: E731
-    # the kernels write dv, dg (and dq, dk: one value head a q, k head) into the run's rows of the whole gradients
-    into = {"dv": rows(grads[2]), "dg": rows(grads[3])}
-    if v.shape[2] == q.shape[2]:
-        into.update(dq=rows(grads[0]), dk=rows(grads[1]))
-    got = _replay_step(rows(q), rows(k), rows(v), rows(g), rows(beta), segs(h0), cu, scale, rows(do), segs(dht),
-                       gate, beta_kind, None if kept is None else {name: rows(x) for name, x in kept.items()}, into)
-    for full, x in zip(grads[:5], got[:5]):
-        if x.data_ptr() != rows(full).data_ptr():
-            rows(full).copy_(x)
-    grads[5][a:b].copy_(got[5])
-    if gate is not None:
-        grads[6][c0:c1].copy_(got[6])
-        grads[7][c0:c1].copy_(got[7])
-
-
-def _replay_heads(grads, a, b, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind, kept):
-    """q, k heads [a, b) of the replay (with their value heads) into `grads`, from contiguous copies of their
-    slices."""
+def _replay_tile(grads, segments, chunks, qk_heads, q, k, v, g, beta, h0, tables, scale, do, dht, gate, beta_kind,
+                 kept):
+    """Segments [a, b) (chunks [c0, c1)) x q, k heads [qa, qb) of the replay into `grads`. The segments' tokens
+    are one contiguous range of every per-token tensor: over every head the tile reads views of them, and the
+    kernels write dv, dg (and dq, dk without grouped value heads) into its rows of the whole gradients; over
+    some heads it copies their slices in and its gradients out."""
+    (a, b), (c0, c1), (qa, qb) = segments, chunks, qk_heads
     G = v.shape[2] // q.shape[2]
-    a, b = a * G, b * G
-    part = lambda x: None if x is None else x[:, :, a:b].contiguous()  # noqa: E731
-    state = lambda x: None if x is None else x[:, a:b].contiguous()  # noqa: E731
-    qk = lambda x: x[:, :, a // G:b // G].contiguous()  # noqa: E731
-    got = _replay_step(qk(q), qk(k), part(v), part(g), beta[:, :, a:b].contiguous(), state(h0), tables, scale,
-                       part(do), state(dht), None if gate is None else gate.heads(a, b), beta_kind,
-                       None if kept is None else {name: part(x) for name, x in kept.items()})
-    for full, x in zip(grads[:2], got[:2]):
-        full[:, :, a // G:b // G].copy_(x)
-    for full, x in zip(grads[2:5], got[2:5]):
-        full[:, :, a:b].copy_(x)
-    grads[5][:, a:b].copy_(got[5])
+    va, vb = qa * G, qb * G  # the value heads
+    t0, t1 = tables.bounds[a], tables.bounds[b]
+    every = qb - qa == q.shape[2]
+    cu = torch.tensor([x - t0 for x in tables.bounds[a:b + 1]], dtype=torch.int32)
+    qk = lambda x: x[:, t0:t1, qa:qb]  # noqa: E731
+    rows = lambda x: None if x is None else x[:, t0:t1, va:vb]  # noqa: E731
+    segs = lambda x: None if x is None else x[a:b, va:vb]  # noqa: E731
+    given = (lambda x: x) if every else (lambda x: None if x is None else x.contiguous())
+    into = None
+    if every:  # the kernels write into the tile's rows of the whole gradients
+        into = {"dv": rows(grads[2]), "dg": rows(grads[3])}
+        if G == 1:
+            into.update(dq=qk(grads[0]), dk=qk(grads[1]))
+    got = _replay_step(given(qk(q)), given(qk(k)), given(rows(v)), given(rows(g)), given(rows(beta)),
+                       given(segs(h0)), cu, scale, given(rows(do)), given(segs(dht)),
+                       gate if gate is None or every else gate.heads(va, vb), beta_kind,
+                       None if kept is None else {name: given(rows(x)) for name, x in kept.items()}, into)
+    for place, x in ((qk(grads[0]), got[0]), (qk(grads[1]), got[1]), (rows(grads[2]), got[2]),
+                     (rows(grads[3]), got[3]), (rows(grads[4]), got[4]), (segs(grads[5]), got[5])):
+        if x.data_ptr() != place.data_ptr():
+            place.copy_(x)
     if gate is not None:
-        grads[6][:, a:b].copy_(got[6])
-        grads[7][:, a:b].copy_(got[7])
+        grads[6][c0:c1, va:vb].copy_(got[6])
+        grads[7][c0:c1, va:vb].copy_(got[7])
