@@ -114,7 +114,8 @@ def built_forms(program: str, forms=None) -> list[str]:
 
 def constant_under_compile(fn):
     """torch.compiler.assume_constant_result's mark (torch.compile reads fn's result while tracing), set
-    without importing torch._dynamo, which that decorator does: ~1.4 s of every `import kda_aot`.
+    without importing torch._dynamo, which that decorator does and which is most of `import kda_aot`'s own time
+    (docs/packaging.md).
     tests/test_registry.py checks that the decorator sets this attribute and nothing else."""
     fn._dynamo_marked_constant = True
     return fn

@@ -341,7 +341,7 @@ def _bwd_chunk_joins(plan: PipelinePlan) -> tuple:
     """The joins, a group at a time in launch order (the order its walks start, and about the order they end),
     each followed by kda_bwd_chunk over the group's chunks: after the last chunk stage, so it competes with no
     chunk stage the walks wait for, and beside the later groups' walks, on the SMs they leave idle (the last
-    group's walks run alone otherwise: 1.8 ms on half the GPU, Q1)."""
+    group's walks run alone otherwise, on half the GPU: docs/backward.md)."""
     nodes = []
     for g in dict.fromkeys(i for i, _ in plan.launches):
         nodes += [Wait(MAIN, Stream("side", g, lane), join=True) for lane in range(len(plan.pools))]
