@@ -185,8 +185,8 @@ def test_gate_in_the_kernels_against_the_torch_activation(strong):
 
 @pytest.mark.parametrize("form", ["split_staged", "full"])
 @pytest.mark.parametrize("lower_bound", [None, -3.0], ids=["softplus", "sigmoid"])
-@pytest.mark.parametrize("mode,groups", [("replay", {}), ("replay", {"max_heads": 1}), ("replay", {"max_tokens": 1}),
-                                         ("replay", {"max_heads": 2, "max_tokens": 1}), ("saved", {})],
+@pytest.mark.parametrize("mode,groups", [("replay", {}), ("replay", {"max_heads": 1}), ("replay", {"max_tokens": 200}),
+                                         ("replay", {"max_heads": 2, "max_tokens": 200}), ("saved", {})],
                          ids=["replay", "replay-head-groups", "replay-segment-runs", "replay-tiles", "saved"])
 def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_bound, mode, groups):
     """A bf16 raw gate (as FLA's f_proj gives it) reaches kda_fwd_chunk and kda_bwd_gate as it is, no fp32
@@ -240,8 +240,8 @@ def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_
 
 @pytest.mark.parametrize("neg", [False, True], ids=["sigmoid", "2sigmoid"])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode,groups", [("replay", {}), ("replay", {"max_heads": 1}), ("replay", {"max_tokens": 1}),
-                                         ("replay", {"max_heads": 2, "max_tokens": 1}), ("saved", {})],
+@pytest.mark.parametrize("mode,groups", [("replay", {}), ("replay", {"max_heads": 1}), ("replay", {"max_tokens": 200}),
+                                         ("replay", {"max_heads": 2, "max_tokens": 200}), ("saved", {})],
                          ids=["replay", "replay-head-groups", "replay-segment-runs", "replay-tiles", "saved"])
 def test_beta_sigmoid_in_the_kernels(kda_options, monkeypatch, neg, logits_dtype, mode, groups):
     """use_beta_sigmoid_in_kernel: the logits go into the kernels as they are (no activated beta in memory; every

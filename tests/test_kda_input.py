@@ -217,10 +217,9 @@ def test_replay_tiles_one_pass_then_segment_runs_then_head_groups():
     bounds = (0, 101377, 142338, 220115, 249856)  # Q1
     lengths = tuple(-(-(b - a) // 64) for a, b in zip(bounds, bounds[1:]))
     T, C = bounds[-1], sum(lengths)
-    alone, grouped = replay_bytes_per_head(T, C, grouped=False), replay_bytes_per_head(T, C)
+    alone, grouped = replay_bytes_per_head(T, C, 4, grouped=False), replay_bytes_per_head(T, C, 1)
     # H = 64: fits in one pass (no copies) but not with the copies counted -> one pass
     assert replay_tiles(bounds, lengths, 64, 1, 64 * alone, 0) == [(0, 4, 0, 64)]
-    assert 64 * grouped > 64 * alone
     # short of one pass: runs of whole segments over every head, the fewest, filled in pack order
     assert replay_tiles(bounds, lengths, 64, 1, 64 * alone - 1, 0) == [(0, 3, 0, 64), (3, 4, 0, 64)]
     assert replay_tiles(bounds, lengths, 64, 1, 64 * alone, 64 * alone // 2) == [(0, 4, 0, 64)]
@@ -228,14 +227,15 @@ def test_replay_tiles_one_pass_then_segment_runs_then_head_groups():
     assert tiles == [(0, 1, 0, 64), (1, 3, 0, 64), (3, 4, 0, 64)]
     for a, b, _, _ in tiles:  # each run fits in what is left beside the whole gradients
         t, c = bounds[b] - bounds[a], sum(lengths[a:b])
-        assert 64 * replay_bytes_per_head(t, c, grouped=False) <= 64 * alone - 1 - 64 * alone // 2
+        assert 64 * replay_bytes_per_head(t, c, b - a, grouped=False) <= 64 * alone - 1 - 64 * alone // 2
     # a segment that alone does not fit is cut into head groups, priced with their copies; the rest run whole
-    first = replay_bytes_per_head(bounds[1], lengths[0], grouped=False)
+    first = replay_bytes_per_head(bounds[1], lengths[0], 1, grouped=False)
     left = 64 * first - 1
     tiles = replay_tiles(bounds, lengths, 64, 1, left, 0)
     assert tiles == [(0, 1, 0, 32), (0, 1, 32, 64), (1, 2, 0, 64), (2, 3, 0, 64), (3, 4, 0, 64)]
-    one_doc = (0, T)
-    assert replay_tiles(one_doc, (C,), 64, 1, 64 * alone - 1, 0) == [(0, 1, 0, 32), (0, 1, 32, 64)]
+    one_doc, one_pass = (0, T), replay_bytes_per_head(T, C, 1, grouped=False)
+    assert replay_tiles(one_doc, (C,), 64, 1, 64 * one_pass - 1, 0) == [(0, 1, 0, 32), (0, 1, 32, 64)]
+    assert replay_tiles(one_doc, (C,), 64, 1, 64 * grouped, 0) == [(0, 1, 0, 64)]  # one pass: no copies
     assert replay_tiles(one_doc, (C,), 64, 1, 32 * grouped - 1, 0) == [(0, 1, 0, 21), (0, 1, 21, 43), (0, 1, 43, 64)]
     # max_heads caps a tile's value heads (GVA: G value heads a q, k head); max_tokens a run's tokens
     assert replay_tiles(bounds, lengths, 64, 1, 10 ** 15, 0, max_heads=32) == [(0, 4, 0, 32), (0, 4, 32, 64)]

@@ -498,16 +498,17 @@ def test_a_call_names_every_buffer_its_plan_reads():
 @pytest.mark.parametrize("dh0", [True, False])
 def test_replay_in_tiles_gives_the_one_pass_bits(kda_options, emulated, monkeypatch, lens, dh0):
     """replay_backward a tile at a time against one pass: runs of whole segments over every head (views of
-    contiguous token ranges, gradients written in place), head groups over the whole pack and over runs (copies);
-    outputs start as NaN, so a row no tile wrote shows."""
+    contiguous token ranges, gradients written in place), head groups over the whole pack and over runs (copies),
+    and, from memory alone, the longest segment in head groups beside runs of the others; outputs start as NaN,
+    so a row no tile wrote shows."""
     _nan_empty(monkeypatch)
-    monkeypatch.setattr(backward, "_available_bytes", lambda device: 1 << 50)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 4, SEED + 7 * len(lens))
     if not dh0:
         h0 = dht = None
+    monkeypatch.setattr(backward, "_available_bytes", lambda device: 1 << 50)
     one = backward.replay_backward(q, k, v, g, beta, h0, cu, 0.1, do, dht)
-    step, in_place = backward._replay_step, []
+    step, tile_rule, in_place = backward._replay_step, backward.replay_tiles, []
 
     def spied(*args):
         got = step(*args)
@@ -516,15 +517,29 @@ def test_replay_in_tiles_gives_the_one_pass_bits(kda_options, emulated, monkeypa
             in_place.append(all(got[i].data_ptr() == args[-1][n].data_ptr() for i, n in enumerate(names)))
         return got
     monkeypatch.setattr(backward, "_replay_step", spied)
-    tables = kda.tables_of(cu, q.shape[1], q.device)
+    bounds = kda.tables_of(cu, q.shape[1], q.device).bounds
+    longest = max(range(len(lens)), key=lambda s: lens[s])
+
+    def short_of_the_longest(bounds, lengths, H, G, available, gradient_bytes, *limits):
+        # what is left beside the gradients holds every segment over every head but the longest one
+        alone = H * G * backward.replay_bytes_per_head(lens[longest], lengths[longest], 1, grouped=False)
+        return tile_rule(bounds, lengths, H, G, gradient_bytes + alone - 1, gradient_bytes, *limits)
     for arm in ({"max_tokens": 130}, {"max_tokens": 1}, {"max_heads": 1}, {"max_heads": 3},
-                {"max_tokens": 130, "max_heads": 3}):
+                {"max_tokens": 130, "max_heads": 3}, {"memory": "short of the longest segment"}):
         kda_options(max_tokens=0, max_heads=0)
-        kda_options(**arm)
+        if "memory" in arm:
+            monkeypatch.setattr(backward, "replay_tiles", short_of_the_longest)
+        else:
+            kda_options(**arm)
         got = backward.replay_backward(q, k, v, g, beta, h0, cu, 0.1, do, dht)
-        tiles = backward._LAST_TILES[(tables.bounds, 4, 1, torch.device(q.device))]
+        tiles = list(backward._LAST_TILES.values())[-1]
         every = [hb - ha == 4 for _, _, ha, hb in tiles]
-        assert len(tiles) > 1 and all(every) == ("max_heads" not in arm), (arm, tiles)
+        assert len(tiles) > 1 and sorted(tiles) == tiles and tiles[-1][1] == len(bounds) - 1, (arm, tiles)
+        if "memory" in arm:  # the longest segment alone in head groups, every other one in runs over every head
+            assert all(e == (a != longest) for (a, b, _, _), e in zip(tiles, every)), tiles
+            assert all(b == a + 1 for a, b, _, _ in tiles if a == longest), tiles
+        else:
+            assert all(every) == ("max_heads" not in arm), (arm, tiles)
         assert in_place == [True] * sum(every), in_place
         in_place.clear()
         for label, x, y in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), one, got):

@@ -47,13 +47,14 @@ def tight(pack, H):
     rule = backward.replay_tiles
 
     def recording(bounds, lengths, H, G, available, gradient_bytes, *limits):
-        seen.update(allocated=torch.cuda.memory_allocated(), available=available, T=bounds[-1], chunks=sum(lengths))
+        seen.update(allocated=torch.cuda.memory_allocated(), available=available, T=bounds[-1], chunks=sum(lengths),
+                    segments=len(lengths))
         return rule(bounds, lengths, H, G, available, gradient_bytes, *limits)
     backward.replay_tiles = recording
     try:
         step()
         torch.cuda.synchronize()
-        estimate = H * backward.replay_bytes_per_head(seen["T"], seen["chunks"], grouped=False)
+        estimate = H * backward.replay_bytes_per_head(seen["T"], seen["chunks"], seen["segments"], grouped=False)
         spare = seen["available"] / 0.85 - estimate / 0.85 * 1.001
         print(f"{pack} H {H}: estimate {estimate / GiB:.2f} GiB, available {seen['available'] / GiB:.2f} GiB; "
               f"ballast {spare / GiB:.2f} GiB", flush=True)

@@ -5,6 +5,7 @@ at a time when memory is short. The chunk stage, the forward walk and the launch
 through the module, so that a test's stand-ins for them reach this file too)."""
 from __future__ import annotations
 
+import collections
 import itertools
 
 import torch
@@ -228,16 +229,19 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
-def replay_bytes_per_head(T: int, n_chunks: int, grouped: bool = True) -> int:
+def replay_bytes_per_head(T: int, n_chunks: int, n_segments: int = 0, grouped: bool = True) -> int:
     """Peak device bytes one head adds to a replay backward (chunk_kda_bwd with release): the
     replayed intermediates alive at kda_bwd_chunk (w, u, qg, kg, V', (I+L)^-1, and the forward's aqk and inv_pack:
     1,664 B a token; qg because the pipelined replay launches kda_bwd_chunk beside the backward walks, which read
-    it: an over-count for the plain order, Options.pipeline off), its outputs (dv, dRk, dQg, dAqk, dAkk in bf16,
-    dKg, dAqk's diagonal, dbeta_v in fp32: 1,544 B a token), the two fp32 state tapes (128 KiB a chunk), and,
-    when the heads run in groups (`grouped`), a group's copies of its inputs (q, k, v, dO, g, beta: 1,538 B a
-    token): one pass over every head reads the caller's tensors as they are."""
-    copies = 1538 if grouped else 0
-    return T * (1664 + 1544 + copies) + n_chunks * (2 * kda.HEAD_DIM * kda.HEAD_DIM * 4 + 2 * kda.HEAD_DIM * 4)
+    it: an over-count for the plain order, Options.pipeline off), its outputs (dv, dRk, dQg, dAqk and its lo part,
+    dAkk in bf16, dKg, dAqk's diagonal, dbeta_v in fp32: 1,672 B a token), the two fp32 state tapes (128 KiB a
+    chunk), the backward walk's d_initial_state (64 KiB a segment), and, when the heads run in groups
+    (`grouped`), a group's copies of its inputs (q, k, v, dO, g, beta: 1,538 B a token; h0 and dht: 128 KiB a
+    segment): one pass over every head reads the caller's tensors as they are."""
+    state = kda.HEAD_DIM * kda.HEAD_DIM * 4
+    copies = (1538, 2 * state) if grouped else (0, 0)
+    return (T * (1664 + 1672 + copies[0]) + n_chunks * (2 * state + 2 * kda.HEAD_DIM * 4)
+            + n_segments * (state + copies[1]))
 
 
 def head_groups(H: int, per_head: int, available: int, max_heads: int = 0) -> list:
@@ -267,7 +271,7 @@ def replay_tiles(bounds: tuple, chain_lengths: tuple, H: int, G: int, available:
     first = (0, *itertools.accumulate(chain_lengths))
 
     def need(a, b, copies=False):  # bytes a head of segments [a, b) needs
-        return G * replay_bytes_per_head(bounds[b] - bounds[a], first[b] - first[a], grouped=copies)
+        return G * replay_bytes_per_head(bounds[b] - bounds[a], first[b] - first[a], b - a, grouped=copies)
     if every and (not max_tokens or max_tokens >= bounds[n] - bounds[0]) and H * need(0, n) <= available:
         return [(0, n, 0, H)]
     left = available - gradient_bytes
@@ -295,20 +299,24 @@ def _available_bytes(device) -> int:
     return int(0.85 * (free + cached))
 
 
-_LAST_TILES: dict = {}  # (segment bounds, q heads, group, device) -> the tiles of the last eager call
+_LAST_TILES: collections.OrderedDict = collections.OrderedDict()  # the tiles of the latest eager calls
+_LAST_TILES_KEPT = 64  # as many packs as packing's table cache keeps
 
 
 def _replay_tiles(tables, H: int, G: int, gradient_bytes: int, device) -> list:
     """replay_tiles for this pack on `device` (Options.max_heads, max_tokens). Under CUDA-graph capture no memory
-    query is made: the tiles of the last eager call of this pack and shape are reused (warm up before
-    capturing)."""
-    key = (tables.bounds, H, G, torch.device(device))
+    query is made: the tiles of the last eager call of this pack, shape and options are reused (warm up before
+    capturing; a tiled call also needs each run's tables cached, packing's 64 packs at most)."""
+    opts = options.current()
+    key = (tables.bounds, H, G, gradient_bytes, opts.max_heads, opts.max_tokens, torch.device(device))
     if torch.cuda.is_current_stream_capturing():
         return _LAST_TILES.get(key, [(0, tables.n_segments, 0, H)])
-    opts = options.current()
     tiles = replay_tiles(tables.bounds, tables.chain_lengths, H, G, _available_bytes(device), gradient_bytes,
                          opts.max_heads, opts.max_tokens)
     _LAST_TILES[key] = tiles
+    _LAST_TILES.move_to_end(key)
+    while len(_LAST_TILES) > _LAST_TILES_KEPT:
+        _LAST_TILES.popitem(last=False)
     return tiles
 
 
