@@ -285,8 +285,13 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, w, u, qg, kg, aqk, gam
 
 # ----------------------------------------------------------------------------------- autograd
 
+# The inputs both forward ops take, in this order (chunk_kda_fwd_op adds keep after them).
+_COMMON_INPUTS = 14
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound, beta_kind = inputs[:14]
+    (q, k, v, g, beta, initial_state, cu_seqlens, scale, _, A_log, dt_bias, gate_kind, lower_bound,
+     beta_kind) = inputs[:_COMMON_INPUTS]
     ctx.scale, ctx.gate_kind, ctx.lower_bound, ctx.beta_kind = scale, gate_kind, lower_bound, beta_kind
     ctx.has_initial_state = initial_state is not None
     ctx.set_materialize_grads(False)  # unused outputs (final_state, the saved context) get no zero gradient
@@ -312,9 +317,10 @@ def _backward(ctx, do, dfinal_state, *_):
         grads = chunk_kda_bwd_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, do, dfinal_state, *gate, **kwargs)
     dq, dk, dv, dg, dbeta, dh0, da_log, ddt_bias = grads
     gated = ctx.gate_kind != kda.GATE_RAW
+    # no gradient for cu_seqlens, scale, output_final_state, gate_kind, lower_bound, beta_kind, nor keep
     return (dq, dk, dv, dg, dbeta, dh0 if ctx.has_initial_state else None, None, None, None,
             da_log if gated and A_log is not None else None, ddt_bias if gated and dt_bias is not None else None,
-            None, None, None, *(None,) * (len(ctx.needs_input_grad) - 14))  # gate_kind, lower_bound, beta_kind, keep
+            None, None, None, *(None,) * (len(ctx.needs_input_grad) - _COMMON_INPUTS))
 
 
 chunk_kda_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -459,7 +459,8 @@ def _replay_tile(grads, segments, chunks, qk_heads, q, k, v, g, beta, h0, tables
     qk = lambda x: x[:, t0:t1, qa:qb]  # noqa: E731
     rows = lambda x: None if x is None else x[:, t0:t1, va:vb]  # noqa: E731
     segs = lambda x: None if x is None else x[a:b, va:vb]  # noqa: E731
-    given = (lambda x: x) if every else (lambda x: None if x is None else x.contiguous())
+    # a copy only where the tile leaves heads out: over every head each slice is a contiguous view already
+    given = lambda x: None if x is None else x.contiguous()  # noqa: E731
     into = None
     if every:  # the kernels write into the tile's rows of the whole gradients
         into = {"dv": rows(grads[2]), "dg": rows(grads[3])}
@@ -467,7 +468,7 @@ def _replay_tile(grads, segments, chunks, qk_heads, q, k, v, g, beta, h0, tables
             into.update(dq=qk(grads[0]), dk=qk(grads[1]))
     got = _replay_step(given(qk(q)), given(qk(k)), given(rows(v)), given(rows(g)), given(rows(beta)),
                        given(segs(h0)), cu, scale, given(rows(do)), given(segs(dht)),
-                       gate if gate is None or every else gate.heads(va, vb), beta_kind,
+                       gate.heads(va, vb) if gate is not None and not every else gate, beta_kind,
                        None if kept is None else {name: given(rows(x)) for name, x in kept.items()}, into)
     for place, x in ((qk(grads[0]), got[0]), (qk(grads[1]), got[1]), (rows(grads[2]), got[2]),
                      (rows(grads[3]), got[3]), (rows(grads[4]), got[4]), (segs(grads[5]), got[5])):
