@@ -97,7 +97,6 @@ for mode in ("saved", "replay"):
                       initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, backward=mode)
     torch.autograd.backward((o, ht), (do, dht))
 torch.cuda.synchronize()
-print("sanitize_kda: ok")
 # the replay's chunk stage from what the forward kept (kda_fwd_chunk/replay), with the gate and beta activated
 # and grouped value heads (q and k of one head, v of two)
 qk = [x[:, :, :1].clone().requires_grad_() for x in (q, k)]
@@ -105,3 +104,10 @@ gated = [x.clone().requires_grad_() for x in (v, raw.to(torch.bfloat16), logits.
 chunk_kda(*qk, gated[0], gated[1], gated[2], A_log=torch.randn(H, device="cuda"),
           dt_bias=torch.randn(H * 128, device="cuda"), use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
           cu_seqlens=cu.cpu(), backward="replay")[0].backward(do)
+# the replay in tiles: runs of whole segments write dv, dg, dq, dk into their rows of the whole gradients;
+# head groups read copies
+from kda_aot.options import Options, using  # noqa: E402
+for tiles in (Options(max_tokens=130), Options(max_heads=1), Options(max_tokens=130, max_heads=1)):
+    with using(tiles):
+        chunk_kda(*leaves, cu_seqlens=cu.cpu(), initial_state=h0, backward="replay")[0].backward(do)
+print("sanitize_kda: ok")

@@ -2,7 +2,8 @@
 
 ab: the shipped rule (one pass over every head when it fits without a group's input copies) against groups of
     `max_heads` value heads (Options.max_heads), which copy their inputs and gradients, and against runs of whole
-    segments of at most half the pack's tokens (Options.max_tokens), which read views and copy their gradients.
+    segments of at most half the pack's tokens (Options.max_tokens), which read views and write their rows of the
+    whole gradients.
     Interleaved CUDA-event medians of the single suite's replay step (bench/step_time.py), each arm's peak
     memory and its groups.
 tight: the one pass with a ballast tensor that leaves just what the rule asks for (the estimate over the 15 %

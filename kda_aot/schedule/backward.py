@@ -367,7 +367,8 @@ def _replay_step(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, be
                                      save_tape=True, gate=gate, beta_kind=beta_kind, kept=kept)
     saved, walk = replay_walks(prepared, h0, do, dht)
     del prepared  # `saved` alone holds the intermediates now: release frees them as it goes
-    saved["into"] = into
+    if into:
+        saved["into"] = into
     return chunk_kda_bwd(saved, do, dht, release=True, walk=walk)
 
 
@@ -403,7 +404,9 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
                        bwd_chunk=bwd_chunk)
     piece_chunks, handoff = execute.piece_buffers(plan, H, q.device, ("fwd_handoff", "bwd_handoff"))
     buffers = {"initial_state": h0, "dfinal_state": dht, "dinitial_state": dh0, **handoff}
-    saved = dict(prepared, initial_state=h0, into=into, **outs)
+    saved = dict(prepared, initial_state=h0, **outs)
+    if into:  # only a tile's: otherwise saved holds what replay_walks' does
+        saved["into"] = into
     launched = None
     if bwd_chunk:  # allocated before the walks: qg (the backward walk's) is alive beside them, replay_bytes_per_head
         launched = (bwd_chunk_tensors(saved, do, dtape), kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS))
