@@ -1,13 +1,14 @@
 """FLA's KimiDeltaAttention layer (flash-linear-attention 0.6.0, mode="chunk") on a pack, one training step
-with FLA's own kernels against the same layer with kda_aot as FLA's chunk_kda backend (`import kda_aot.fla`,
-switched per arm with FLA's FLA_KDA_AOT), side by side in one process.
+with FLA's own kernels against the same layer with kda_aot as FLA's backend (`import kda_aot.fla`: chunk_kda
+and the short convolutions' causal conv1d), side by side in one process. Arms, switched with FLA's switches:
+"fla" (FLA_KDA_AOT=0), "kda_aot" (both on kda_aot), "kda_aot_no_conv" (chunk_kda alone, FLA_KDA_AOT_CONV=0).
 
     python -m bench.fla_layer [--pack Q1] [--hidden 4096] [--heads 32] [--iters 10] [--out DIR]
 
-Rows (suite "fla_layer", arm "fla" / "kda_aot"): boundary "layer" (the whole layer's forward + backward)
-and "kda" (the chunk_kda call inside it, forward + backward, on the inputs the layer gives it), medians of
-interleaved CUDA-event timings; plus one row "agreement" with the relative RMS distance between the arms'
-layer outputs and every parameter gradient. Needs flash-linear-attention and einops (carry their wheels in
+Rows (suite "fla_layer"): boundary "layer" (the whole layer's forward + backward, every arm) and "kda" (the
+chunk_kda call inside it, forward + backward, on the inputs the layer gives it; "fla" and "kda_aot"), medians
+of interleaved CUDA-event timings; plus one row "agreement" with the relative RMS distance between each kda_aot
+arm's layer output and parameter gradients and FLA's. Needs flash-linear-attention and einops (carry their wheels in
 .whl); FLA's layers package is imported without its __init__, which pulls in every layer (and transformers).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from bench.common import row, write_rows
 from bench.packs import PACKS
 
-ARMS = ("fla", "kda_aot")
+ARMS = ("fla", "kda_aot", "kda_aot_no_conv")
 _T0 = time.time()
 
 
@@ -45,7 +46,14 @@ def kda_layer_class():
 
 
 def switch(arm: str):
-    os.environ["FLA_KDA_AOT"] = "1" if arm == "kda_aot" else "0"
+    """FLA's switches for the arm (FLA_KDA_AOT=1 would turn the conv on too: FLA reads it as every kda_aot
+    backend on)."""
+    os.environ.pop("FLA_KDA_AOT_CONV", None)
+    if arm == "kda_aot_no_conv":
+        os.environ.pop("FLA_KDA_AOT", None)
+        os.environ["FLA_KDA_AOT_CONV"] = "0"
+    else:
+        os.environ["FLA_KDA_AOT"] = "1" if arm == "kda_aot" else "0"
 
 
 def rel_rms(a, b):
@@ -67,14 +75,17 @@ def capture_kda_call(layer_module):
 
 
 def count_kda_aot_calls():
-    """Count the calls FLA's dispatch hands to kda_aot (its backend calls kda_aot.fla.chunk_kda)."""
+    """Count the calls FLA's dispatch hands to kda_aot: chunk_kda (its backend calls kda_aot.fla.chunk_kda) and
+    the conv's forward and backward (kda_aot.fla's conv1d_silu_fwd_op, _bwd_op)."""
     import kda_aot.fla as backend
-    inner, count = backend.chunk_kda, {"n": 0}
+    count = {}
+    for name in ("chunk_kda", "conv1d_silu_fwd_op", "conv1d_silu_bwd_op"):
+        count[name] = 0
 
-    def counted(*args, **kwargs):
-        count["n"] += 1
-        return inner(*args, **kwargs)
-    backend.chunk_kda = counted
+        def counted(*args, inner=getattr(backend, name), name=name, **kwargs):
+            count[name] += 1
+            return inner(*args, **kwargs)
+        setattr(backend, name, counted)
     return count
 
 
@@ -122,25 +133,27 @@ def main(argv=None):
     # One step each: outputs and gradients (FLA's kept on the host while the other arm runs: a Q1
     # layer step alone peaks near 100 GB), and the dispatch checked both ways.
     fla_result, agreement, peaks = None, {}, {}
+    expected = {"fla": (0, 0, 0), "kda_aot": (1, 3, 3), "kda_aot_no_conv": (1, 0, 0)}  # a step's calls to kda_aot
     for arm in ARMS:
         switch(arm)
         progress(f"first step, {arm} (FLA's autotuning)")
-        before = dispatched["n"]
+        before = dict(dispatched)
         seen["on"] = arm == "kda_aot"
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         y = layer_step()
         peaks[arm] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         seen["on"] = False
-        went = dispatched["n"] - before
-        if went != (1 if arm == "kda_aot" else 0):
-            raise SystemExit(f"arm {arm}: FLA dispatched {went} chunk_kda calls to kda_aot")
+        went = tuple(dispatched[n] - before[n] for n in dispatched)
+        if went != expected[arm]:
+            raise SystemExit(f"arm {arm}: FLA dispatched (chunk_kda, conv forward, conv backward) {went} calls to "
+                             f"kda_aot, expected {expected[arm]}")
         got = {"y": y.detach(), "dx": x.grad,
                **{n: p.grad.detach() for n, p in layer.named_parameters() if p.grad is not None}}
         if fla_result is None:
             fla_result = {n: t.cpu() for n, t in got.items()}
         else:
-            agreement = {n: rel_rms(t, fla_result[n].cuda()) for n, t in got.items()}
+            agreement[arm] = {n: rel_rms(t, fla_result[n].cuda()) for n, t in got.items()}
         del y, got
     del fla_result
     # The layer's chunk_kda call alone, on the inputs it had in the kda_aot arm, for both arms.
@@ -161,7 +174,7 @@ def main(argv=None):
         return run
 
     runs = {(arm, "layer"): (lambda arm=arm: (switch(arm), layer_step())) for arm in ARMS}
-    runs.update({(arm, "kda"): kda_step(arm) for arm in ARMS})
+    runs.update({(arm, "kda"): kda_step(arm) for arm in ("fla", "kda_aot")})
     for key, fn in runs.items():  # warm-up (FLA's autotuning)
         progress(f"warm-up {key}")
         fn()
@@ -171,15 +184,18 @@ def main(argv=None):
         for key in (list(runs) if i % 2 == 0 else list(reversed(list(runs)))):
             times[key].append(timed(runs[key], 1))
     torch.cuda.synchronize()
-    calls = dispatched["n"]
-    if calls != 1 + 2 * a.iters + 2:  # first step, warm-ups and timed runs of the kda_aot arm (layer and call)
-        raise SystemExit(f"FLA dispatched {calls} chunk_kda calls to kda_aot, expected {1 + 2 * a.iters + 2}")
+    # each kda_aot layer arm: first step, warm-up and timed steps; the kda_aot call: warm-up and timed runs
+    want = 2 * (2 + a.iters) + 1 + a.iters
+    if dispatched["chunk_kda"] != want or dispatched["conv1d_silu_fwd_op"] != 3 * (2 + a.iters):
+        raise SystemExit(f"FLA dispatched {dispatched} calls to kda_aot, expected {want} chunk_kda and "
+                         f"{3 * (2 + a.iters)} conv forward")
     base = row("fla_layer", pack=a.pack, heads=a.heads, hidden=a.hidden)
     rows = [dict(base, arm=arm, boundary=boundary, ms=round(statistics.median(ts), 3))
             for (arm, boundary), ts in times.items()]
-    for boundary in ("layer", "kda"):
-        ms = {r["arm"]: r["ms"] for r in rows if r["boundary"] == boundary}
-        rows.append(dict(base, arm="ratio_fla_over_kda_aot", boundary=boundary, ratio=round(ms["fla"] / ms["kda_aot"], 3)))
+    timed_ms = {(r["arm"], r["boundary"]): r["ms"] for r in rows}
+    for boundary, arm in (("layer", "kda_aot"), ("kda", "kda_aot"), ("layer", "kda_aot_no_conv")):
+        ms = {name: t for (name, b), t in timed_ms.items() if b == boundary}
+        rows.append(dict(base, arm=f"ratio_fla_over_{arm}", boundary=boundary, ratio=round(ms["fla"] / ms[arm], 3)))
     rows.append(dict(base, arm="agreement", boundary="layer", rel_rms_kda_aot_vs_fla=agreement,
                      peak_gib=peaks))  # each arm's first step (the other arm's result on the host)
     for r in rows:

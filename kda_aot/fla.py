@@ -1,19 +1,29 @@
-"""kda_aot as a backend of flash-linear-attention's chunk_kda (fla-core 0.6.0's backend dispatch).
+"""kda_aot as a backend of flash-linear-attention's chunk_kda and causal conv1d (fla-core 0.6.0's backend
+dispatch).
 
-    import kda_aot.fla      # registers the backend; fla.ops.kda.chunk_kda then runs on kda_aot
+    import kda_aot.fla      # registers the backends; FLA's KimiDeltaAttention then runs on kda_aot
 
-FLA's dispatch asks the verifier first and falls back to its Triton path for what kda_aot does not serve:
-no CUDA tensor, a GPU kda_aot has no kernels for, head dims other than 128, chunk sizes other than 64,
+chunk_kda: FLA's dispatch asks the verifier first and falls back to its Triton path for what kda_aot does not
+serve: no CUDA tensor, a GPU kda_aot has no kernels for, head dims other than 128, chunk sizes other than 64,
 more than 64 heads, cp_context, return_intermediate_states, use_graph, dtypes the kernels do not take,
-unknown keywords. FLA_KDA_AOT=0 (FLA's switch for a backend) turns it off; FLA_DISABLE_BACKEND_DISPATCH=1
-turns off every backend.
+unknown keywords.
+causal_conv1d_fwd / causal_conv1d_bwd (what FLA's ShortConvolution runs in training): kda_aot's width-4 conv +
+SiLU kernels serve bf16 [B, T, D] inputs (D a multiple of 8; B = 1 with cu_seqlens) with activation "silu" /
+"swish" and no residual, initial state or final-state gradient; the rest runs on FLA's kernels.
+FLA_KDA_AOT=0 (FLA's switch for a backend) turns every kda_aot backend off, FLA_KDA_AOT_CONV=0 the conv alone;
+FLA_DISABLE_BACKEND_DISPATCH=1 turns off every backend.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 try:
     from fla.backends import BaseBackend, register
+    from fla.modules.causal_conv1d import causal_conv1d_bwd as fla_conv_bwd
+    from fla.modules.causal_conv1d import causal_conv1d_fwd as fla_conv_fwd
+    from fla.modules.causal_conv1d import causal_conv1d_update_states as fla_conv_final_state
     from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
 except ImportError as e:  # FLA absent, one without the backend dispatch (before 0.6.0), or a dependency of FLA absent
     if e.name and e.name.partition(".")[0] != "fla":
@@ -24,10 +34,12 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
 
 from ._runtime import registry
 from .ops.chunk_kda import chunk_kda
+from .ops.conv import WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
 from .schedule.kda import HEAD_DIM, MAX_HEADS
 
 BACKEND_TYPE = "kda_aot"
 ENV_VAR = "FLA_KDA_AOT"
+CONV_ENV_VAR = "FLA_KDA_AOT_CONV"
 # keywords FLA's chunk_kda takes through **kwargs that kda_aot serves
 _KEYWORDS = frozenset({"A_log", "dt_bias", "chunk_size", "transpose_state_layout"})
 
@@ -81,3 +93,90 @@ class KdaAotBackend(BaseBackend):
 
     def chunk_kda(self, *args, **kwargs):
         return chunk_kda(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ causal conv1d (FLA's ShortConvolution)
+
+def conv_fwd_verify(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
+                    activation=None, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64,
+                    layout_fallback=False) -> tuple[bool, str | None]:
+    """(True, None) when kda_aot's conv kernels serve FLA's causal_conv1d_fwd call, else (False, why)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return False, "x or weight is not a tensor"
+    if x.device.type != "cuda":
+        return False, f"x on {x.device}, not a CUDA device"
+    if not registry.serves(x.device):
+        return False, f"no kda_aot kernels for {torch.cuda.get_device_name(x.device)}"
+    if activation not in ("silu", "swish"):
+        return False, f"activation {activation!r} (kda_aot's conv: silu)"
+    if x.dim() != 3 or x.dtype != torch.bfloat16:
+        return False, f"x {x.dtype} of shape {list(x.shape)} (kda_aot's conv: bf16 [B, T, D])"
+    D = x.shape[-1]
+    if D % 8:
+        return False, f"D = {D} (kda_aot's conv: a multiple of 8)"
+    if tuple(weight.shape) != (D, WIDTH) or not weight.is_floating_point():
+        return False, f"weight {weight.dtype} of shape {list(weight.shape)} (kda_aot's conv: width {WIDTH}, [D, 4])"
+    if bias is not None and (tuple(bias.shape) != (D,) or not bias.is_floating_point()):
+        return False, f"bias of shape {list(bias.shape)} (kda_aot's conv: [D])"
+    if residual is not None or initial_state is not None:
+        return False, "residual / initial_state are FLA's own"
+    if cu_seqlens is not None and x.shape[0] != 1:
+        return False, f"{x.shape[0]} sequences with cu_seqlens (packed input is [1, T, D])"
+    if any(t is not None and t.device != x.device for t in (weight, bias)):
+        return False, "weight or bias on another device than x"
+    return True, None
+
+
+def conv_bwd_verify(x, dy, dht, weight=None, bias=None, residual=None, initial_state=None, activation=None,
+                    cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64,
+                    layout_fallback=False) -> tuple[bool, str | None]:
+    """(True, None) when kda_aot's conv kernels serve FLA's causal_conv1d_bwd call, else (False, why)."""
+    if dht is not None:
+        return False, "a final-state gradient is FLA's own"
+    if not isinstance(dy, torch.Tensor) or tuple(dy.shape) != tuple(x.shape) or not dy.is_floating_point():
+        return False, "dy not a float tensor of x's shape"
+    return conv_fwd_verify(x, weight, bias, residual, initial_state, False, activation, cu_seqlens)
+
+
+def _packed(x, cu_seqlens, cu_seqlens_cpu):
+    """(x as one [1, B T, D] pack, its document boundaries): B sequences of T tokens without cu_seqlens."""
+    if cu_seqlens is not None:
+        return x, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    B, T, D = x.shape
+    return x.reshape(1, B * T, D), torch.arange(B + 1, dtype=torch.int64) * T
+
+
+class KdaAotConvBackend(BaseBackend):
+    """causal_conv1d_fwd / _bwd on kda_aot's conv + SiLU kernels."""
+
+    backend_type = BACKEND_TYPE
+    package_name = "kda_aot"
+    env_var = CONV_ENV_VAR
+    default_enable = True
+    priority = 4
+
+    def is_enabled(self) -> bool:
+        # FLA_KDA_AOT=0 turns off every kda_aot backend; FLA's own rule reads the conv's switch
+        return os.environ.get(ENV_VAR, "1") != "0" and super().is_enabled()
+
+
+@register(fla_conv_fwd, backend=KdaAotConvBackend, verifier=conv_fwd_verify)
+def conv_fwd(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None,
+             cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, layout_fallback=False):
+    """FLA's causal_conv1d_fwd on the kernels: (y, the final conv state or None)."""
+    packed, cu = _packed(x, cu_seqlens, cu_seqlens_cpu)
+    y = conv1d_silu_fwd_op(packed, weight, bias, None, cu, "default").view(x.shape)
+    final_state = None
+    if output_final_state:  # FLA's state layout: its own helper
+        final_state = fla_conv_final_state(x=x, state_len=WIDTH, initial_state=None, cu_seqlens=cu_seqlens)
+    return y, final_state
+
+
+@register(fla_conv_bwd, backend=KdaAotConvBackend, verifier=conv_bwd_verify)
+def conv_bwd(x, dy, dht, weight=None, bias=None, residual=None, initial_state=None, activation=None,
+             cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, layout_fallback=False):
+    """FLA's causal_conv1d_bwd on the kernels: (dx, dweight, dbias, dresidual, d initial state), the last two
+    None (no residual, no initial state)."""
+    packed, cu = _packed(x, cu_seqlens, cu_seqlens_cpu)
+    dx, dw, db, _ = conv1d_silu_bwd_op(packed, weight, bias, None, cu, dy.reshape(packed.shape), "default", False)
+    return dx.view(x.shape), dw, db if bias is not None else None, None, None

@@ -21,33 +21,53 @@ def fake_fla(monkeypatch):
     class BaseBackend:
         backend_type = "base"
         env_var = None
+        default_enable = True
         priority = 5
+        implementation = None
+        verifier = None
 
-        def is_enabled(self):
+        def is_enabled(self):  # fla.backends.BaseBackend's rule
             import os
-            return self.env_var is None or os.environ.get(self.env_var, "1") != "0"
+            if self.env_var is None:
+                return True
+            if os.environ.get(f"FLA_{self.backend_type.upper()}", "0") != "0":
+                return True
+            return os.environ.get(self.env_var, "1" if self.default_enable else "0") != "0"
 
         def verify(self, function_name, *args, **kwargs):
-            return getattr(self, f"{function_name}_verifier")(*args, **kwargs)
+            verifier = self.verifier or getattr(self, f"{function_name}_verifier")
+            return verifier(*args, **kwargs)
 
-    def register(entry_point, **kw):
-        def decorator(cls):
-            registered.append((entry_point, cls()))
-            return cls
+    def register(entry_point, *, backend=None, verifier=None, env_var=None):
+        def decorator(implementation):
+            if isinstance(implementation, type):
+                registered_backend = implementation()
+            else:
+                registered_backend = backend() if backend is not None else BaseBackend()
+                registered_backend.implementation = implementation
+            registered_backend.verifier = verifier
+            registered.append((entry_point, registered_backend))
+            return implementation
         return decorator
 
-    def fla_chunk_kda(q, k, v, g, beta, *args, **kwargs):
-        for _, backend in registered:
-            ok, _ = backend.verify("chunk_kda", q, k, v, g, beta, *args, **kwargs)
-            if backend.is_enabled() and ok:
-                return backend.chunk_kda(q, k, v, g, beta, *args, **kwargs)
-        return "triton"
+    def dispatched(name):
+        """FLA's dispatch: the first enabled backend whose verifier accepts the call, else FLA's own."""
+        def entry(*args, **kwargs):
+            for point, backend in registered:
+                if point is entry and backend.is_enabled() and backend.verify(name, *args, **kwargs)[0]:
+                    return (backend.implementation or getattr(backend, name))(*args, **kwargs)
+            return "triton"
+        entry.__name__ = name
+        return entry
 
-    mods = {"fla": types.ModuleType("fla"), "fla.backends": types.ModuleType("fla.backends"),
-            "fla.ops": types.ModuleType("fla.ops"), "fla.ops.kda": types.ModuleType("fla.ops.kda"),
-            "fla.ops.kda.chunk": types.ModuleType("fla.ops.kda.chunk")}
+    mods = {name: types.ModuleType(name) for name in (
+        "fla", "fla.backends", "fla.ops", "fla.ops.kda", "fla.ops.kda.chunk", "fla.modules",
+        "fla.modules.causal_conv1d")}
     mods["fla.backends"].BaseBackend, mods["fla.backends"].register = BaseBackend, register
-    mods["fla.ops.kda.chunk"].chunk_kda = fla_chunk_kda
+    fla_chunk_kda = mods["fla.ops.kda.chunk"].chunk_kda = dispatched("chunk_kda")
+    conv = mods["fla.modules.causal_conv1d"]
+    conv.causal_conv1d_fwd, conv.causal_conv1d_bwd = dispatched("causal_conv1d_fwd"), dispatched("causal_conv1d_bwd")
+    conv.causal_conv1d_update_states = lambda **kw: "fla's final state"
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
     monkeypatch.delitem(sys.modules, "kda_aot.fla", raising=False)
@@ -58,10 +78,14 @@ def fake_fla(monkeypatch):
 
 def test_import_registers_the_backend(fake_fla):
     module, registered, fla_chunk_kda = fake_fla
-    assert len(registered) == 1
-    entry, backend = registered[0]
-    assert entry is fla_chunk_kda and backend.backend_type == "kda_aot" and backend.env_var == "FLA_KDA_AOT"
+    conv = sys.modules["fla.modules.causal_conv1d"]
+    assert [entry for entry, _ in registered] == [fla_chunk_kda, conv.causal_conv1d_fwd, conv.causal_conv1d_bwd]
+    backend = registered[0][1]
+    assert backend.backend_type == "kda_aot" and backend.env_var == "FLA_KDA_AOT"
     assert backend.chunk_kda.__func__ is not None and module.chunk_kda is kda_aot.chunk_kda
+    for _, conv_backend in registered[1:]:
+        assert conv_backend.backend_type == "kda_aot" and conv_backend.env_var == "FLA_KDA_AOT_CONV"
+    assert (registered[1][1].implementation, registered[2][1].implementation) == (module.conv_fwd, module.conv_bwd)
 
 
 def _call(D=128, H=2, HV=2, dtype=torch.bfloat16, device="cpu"):
@@ -140,3 +164,100 @@ def test_an_import_failure_names_what_is_missing(monkeypatch, missing, match):
     monkeypatch.setattr(builtins, "__import__", find_failing)
     with pytest.raises(ImportError, match=match):
         importlib.import_module("kda_aot.fla")
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: the verifiers' checks past the device, without a GPU."""
+    device = property(lambda self: torch.device("cuda"))
+
+
+def _conv_call(B=1, T=70, D=64, dtype=torch.bfloat16, width=4):
+    x = torch.randn(B, T, D).to(dtype).as_subclass(_OnCuda)
+    weight = torch.randn(D, width).as_subclass(_OnCuda)
+    return x, weight
+
+
+def test_the_conv_verifiers_decline_what_the_kernels_do_not_serve(fake_fla, monkeypatch):
+    module, _, _ = fake_fla
+    conv = sys.modules["fla.modules.causal_conv1d"]
+    x = torch.randn(1, 70, 64).to(torch.bfloat16)
+    ok, why = module.conv_fwd_verify(x, torch.randn(64, 4), activation="silu")
+    assert not ok and "not a CUDA device" in why
+    assert conv.causal_conv1d_fwd(x=x, weight=torch.randn(64, 4), activation="silu") == "triton"
+    monkeypatch.setattr(module.registry, "serves", lambda device: True)
+    x, w = _conv_call()
+    cu = torch.tensor([0, 30, 30, 70])
+    for activation in ("silu", "swish"):
+        assert module.conv_fwd_verify(x, w, activation=activation, cu_seqlens=cu) == (True, None)
+    assert module.conv_fwd_verify(x, w, torch.zeros(64).as_subclass(_OnCuda), activation="silu") == (True, None)
+    assert module.conv_fwd_verify(*_conv_call(B=3), activation="silu") == (True, None)  # B sequences, no cu_seqlens
+    assert module.conv_bwd_verify(x, torch.zeros(x.shape).as_subclass(_OnCuda), None, w, activation="silu") == \
+        (True, None)
+    for args, kw, reason in [
+            (_conv_call(), {"activation": None}, "activation None"),
+            (_conv_call(dtype=torch.float16), {"activation": "silu"}, "torch.float16"),
+            (_conv_call(D=60), {"activation": "silu"}, "D = 60"),
+            (_conv_call(width=3), {"activation": "silu"}, "width 4"),
+            ((x, w), {"activation": "silu", "bias": torch.zeros(32)}, "bias of shape [32]"),
+            ((x, w), {"activation": "silu", "residual": x}, "residual"),
+            ((x, w), {"activation": "silu", "initial_state": torch.zeros(3, 64, 4)}, "initial_state"),
+            (_conv_call(B=2), {"activation": "silu", "cu_seqlens": cu}, "2 sequences with cu_seqlens")]:
+        ok, why = module.conv_fwd_verify(*args, **kw)
+        assert not ok and reason in why, (kw, why)
+    ok, why = module.conv_bwd_verify(x, x, torch.zeros(3, 64, 4), w, activation="silu")
+    assert not ok and "final-state gradient" in why
+
+
+def test_the_conv_runs_each_sequence_apart(fake_fla, monkeypatch):
+    """FLA's [B, T, D] call without cu_seqlens is B documents of one pack: the kernels' ops stood in for by the
+    fp64 reference, each sequence's output and gradients are the reference's on that sequence alone."""
+    from kda_aot import reference
+    module, registered, _ = fake_fla
+    conv = sys.modules["fla.modules.causal_conv1d"]
+    for _, backend in registered[1:]:  # past the device checks
+        monkeypatch.setattr(backend, "verifier", lambda *a, **k: (True, None))
+
+    def fwd_op(x, weight, bias, halo, cu, form):
+        return reference.conv1d_silu(x, weight, bias, cu_seqlens=cu).to(x.dtype)
+
+    def bwd_op(x, weight, bias, halo, cu, dy, form, need_dhalo):
+        dx, dw, db, _ = reference.conv1d_silu_bwd(x, weight, bias, dy, cu_seqlens=cu)
+        return dx.to(x.dtype), dw.to(weight.dtype), db.to(bias.dtype), None
+    monkeypatch.setattr(module, "conv1d_silu_fwd_op", fwd_op)
+    monkeypatch.setattr(module, "conv1d_silu_bwd_op", bwd_op)
+    B, T, D = 3, 9, 16
+    x, w, b, dy = torch.randn(B, T, D).double(), torch.randn(D, 4).double(), torch.randn(D).double(), \
+        torch.randn(B, T, D).double()
+    y, final = conv.causal_conv1d_fwd(x=x, weight=w, bias=b, activation="silu")
+    dx, dw, db, dr, dh0 = conv.causal_conv1d_bwd(x=x, dy=dy, dht=None, weight=w, bias=b, activation="silu")
+    assert final is None and dr is None and dh0 is None and y.shape == dx.shape == x.shape
+    dw_sum, db_sum = torch.zeros_like(w), torch.zeros_like(b)
+    for i in range(B):
+        one = torch.tensor([0, T])
+        torch.testing.assert_close(y[i], reference.conv1d_silu(x[i:i + 1], w, b, cu_seqlens=one)[0])
+        rdx, rdw, rdb, _ = reference.conv1d_silu_bwd(x[i:i + 1], w, b, dy[i:i + 1], cu_seqlens=one)
+        torch.testing.assert_close(dx[i], rdx[0])
+        dw_sum, db_sum = dw_sum + rdw, db_sum + rdb
+    torch.testing.assert_close(dw, dw_sum)
+    torch.testing.assert_close(db, db_sum)
+    # a final state asked for: FLA's own helper forms it (its layout)
+    assert conv.causal_conv1d_fwd(x=x, weight=w, activation="silu", output_final_state=True)[1] == "fla's final state"
+
+
+def test_the_conv_switches(fake_fla, monkeypatch):
+    module, registered, fla_chunk_kda = fake_fla
+    conv = sys.modules["fla.modules.causal_conv1d"]
+    monkeypatch.setattr(registered[1][1], "verifier", lambda *a, **k: (True, None))
+    monkeypatch.setattr(module, "verify", lambda *a, **k: (True, None))
+    monkeypatch.setattr(module, "conv1d_silu_fwd_op", lambda x, *a: x)
+    monkeypatch.setattr(module, "chunk_kda", lambda *a, **k: "kda_aot")
+    x = torch.zeros(1, 8, 16)
+
+    def conv_on():
+        return conv.causal_conv1d_fwd(x=x, weight=None, activation="silu") != "triton"
+    assert conv_on() and fla_chunk_kda(*_call()) == "kda_aot"
+    monkeypatch.setenv("FLA_KDA_AOT_CONV", "0")          # the conv alone off
+    assert not conv_on() and fla_chunk_kda(*_call()) == "kda_aot"
+    monkeypatch.delenv("FLA_KDA_AOT_CONV")
+    monkeypatch.setenv("FLA_KDA_AOT", "0")               # every kda_aot backend off
+    assert not conv_on() and fla_chunk_kda(*_call()) == "triton"
