@@ -15,6 +15,7 @@ FLA_DISABLE_BACKEND_DISPATCH=1 turns off every backend.
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -92,7 +93,14 @@ class KdaAotBackend(BaseBackend):
         return verify(*args, **kwargs)
 
     def chunk_kda(self, *args, **kwargs):
+        if not _CALL.bind(*args, **kwargs).arguments.get("use_gate_in_kernel", False):
+            # FLA reads A_log and dt_bias only with use_gate_in_kernel (kda_aot.chunk_kda refuses them without)
+            kwargs.pop("A_log", None)
+            kwargs.pop("dt_bias", None)
         return chunk_kda(*args, **kwargs)
+
+
+_CALL = inspect.signature(verify)  # FLA 0.6.0's chunk_kda parameters
 
 
 # ------------------------------------------------------------------ causal conv1d (FLA's ShortConvolution)

@@ -11,6 +11,7 @@ kda_aot.cp.chunk_kda_cp. Projections, gates and output norm belong to the caller
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from . import reference
 from ._runtime import registry
-from ._runtime.tensor import require_cuda
+from ._runtime.tensor import checked_scale, require_cuda
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
@@ -40,6 +41,9 @@ def _as_tensor(cu_seqlens):
     """Document boundaries given as a list: a CPU tensor (what the ops take; no host sync)."""
     if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens
+    if not isinstance(cu_seqlens, (list, tuple)) or not all(
+            isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
+        raise TypeError(f"cu_seqlens: expected a tensor or a list of ints, got {cu_seqlens!r}")
     return torch.tensor([int(c) for c in cu_seqlens], dtype=torch.int64)
 
 
@@ -195,6 +199,7 @@ class PackedKDA(nn.Module):
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
         cu_seqlens = _as_tensor(cu_seqlens)
+        scale = checked_scale(scale, self.head_dim)
         if cu_seqlens_cpu is not None:
             if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
                 raise ValueError("cu_seqlens_cpu: expected the CPU copy of cu_seqlens (a CPU tensor)")

@@ -48,6 +48,10 @@ class Options:
     debug_timing: bool = False
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), _TYPES[field.type]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TypeError(f"kda_aot Options: {field.name} must be of type {field.type}, got {value!r}")
         if self.walk_form not in WALK_FORMS:
             raise ValueError(f"kda_aot Options: walk_form must be one of {WALK_FORMS}, got {self.walk_form!r}")
         for name in ("max_heads", "max_tokens"):
@@ -57,6 +61,9 @@ class Options:
 
     def replace(self, **changes) -> "Options":
         return dataclasses.replace(self, **changes)
+
+
+_TYPES = {"str": str, "bool": bool, "int": int}
 
 
 def parse(text: str) -> Options:
@@ -80,7 +87,14 @@ def parse(text: str) -> Options:
     return Options(**values)
 
 
-DEFAULT = parse(os.environ.get("KDA_AOT_OPTIONS", ""))
+def _from_environment() -> Options:
+    try:
+        return parse(os.environ.get("KDA_AOT_OPTIONS", ""))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the environment's KDA_AOT_OPTIONS: {e}") from None
+
+
+DEFAULT = _from_environment()
 _current = DEFAULT
 _lock = threading.Lock()
 

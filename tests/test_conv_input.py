@@ -127,6 +127,8 @@ def test_l2norm_form_needs_whole_heads():
     x, w, b, cu, h = good(D=136)
     with pytest.raises(ValueError, match="D must be a multiple of 128"):
         causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h, l2norm=True)
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
+        causal_conv1d_silu(x.tolist(), w, b, cu_seqlens=cu, halo=h, l2norm=True)
 
 
 def test_l2norm_form_eps_is_the_norms():

@@ -261,3 +261,17 @@ def test_the_conv_switches(fake_fla, monkeypatch):
     monkeypatch.delenv("FLA_KDA_AOT_CONV")
     monkeypatch.setenv("FLA_KDA_AOT", "0")               # every kda_aot backend off
     assert not conv_on() and fla_chunk_kda(*_call()) == "triton"
+
+
+def test_a_log_without_the_gate_flag_is_ignored_as_fla_does(fake_fla, monkeypatch):
+    """FLA reads A_log and dt_bias only with use_gate_in_kernel: the backend drops them without it (kda_aot's own
+    chunk_kda refuses them there), so a call FLA takes is not refused once kda_aot serves it."""
+    module, registered, _ = fake_fla
+    seen = []
+    monkeypatch.setattr(module, "chunk_kda", lambda *a, **k: seen.append(k))
+    backend = registered[0][1]
+    params = {"A_log": torch.zeros(2), "dt_bias": torch.zeros(256)}
+    backend.chunk_kda(*_call(), **params)
+    backend.chunk_kda(*_call(), None, None, False, False, True, **params)  # use_gate_in_kernel, positionally
+    backend.chunk_kda(*_call(), use_gate_in_kernel=True, **params)
+    assert [sorted(k) for k in seen] == [[], ["A_log", "dt_bias"], ["A_log", "dt_bias", "use_gate_in_kernel"]]

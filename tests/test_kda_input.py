@@ -325,3 +325,35 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
         assert set(calls[1][1]) == {"q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo", "dakk", "daqk_diag",
                                     "dqg", "dkg", "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg", dbeta_out}
         assert dq.shape == dk.shape == dv.shape == (1, T, H, 128) and dbeta.shape == (1, T, H)
+
+
+def test_the_gate_and_norm_flags_check_before_any_kernel(monkeypatch):
+    """On CUDA tensors (fake ones: nothing can run), a wrong-shaped raw gate is named as g's shape, not as its
+    parameters', and use_qk_l2norm_in_kernel normalises q and k only after every check, the boundaries'
+    values included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import kda_aot.ops.chunk_kda as op
+
+    def norm_ran(q, k):
+        raise AssertionError("the q, k norm ran before a check")
+    monkeypatch.setattr(op, "_qk_l2norm", norm_ran)
+    cu, bad_cu = torch.tensor([0, 60, 130]), torch.tensor([3, 60, 130])  # real: the check reads their values
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        q, v, beta = torch.empty(1, 130, 2, 128, **bf), torch.empty(1, 130, 2, 128, **bf), torch.empty(1, 130, 2, **bf)
+        gate = dict(use_gate_in_kernel=True, A_log=torch.empty(2, device="cuda"),
+                    dt_bias=torch.empty(256, device="cuda"), cu_seqlens=cu)
+        for g in (torch.empty(1, 130, 256, **bf), torch.empty(1, 130, 4, 128, **bf), torch.empty(130, **bf)):
+            with pytest.raises(ValueError, match=r"g: expected shape \[1, 130, 2, 128\]"):
+                kda_aot.chunk_kda(q, q, v, g, beta, **gate)
+        g = torch.empty(1, 130, 2, 128, device="cuda")
+        for args, kw, exc, match in [
+                ((q.float(), q, v, g, beta), {"cu_seqlens": cu}, TypeError, "q: expected dtype bfloat16"),
+                ((q, torch.empty(1, 129, 2, 128, **bf), v, g, beta), {"cu_seqlens": cu}, ValueError, "k: expected shape"),
+                ((q, q, v, g, beta), {"cu_seqlens": [0, 60, 130]}, TypeError, "cu_seqlens: expected a torch.Tensor"),
+                ((q, q, v, g, beta), {"cu_seqlens": bad_cu}, ValueError, "cu_seqlens: must start at 0"),
+        ]:
+            with pytest.raises(exc, match=match):
+                kda_aot.chunk_kda(*args, use_qk_l2norm_in_kernel=True, **kw)
+        with pytest.raises(AssertionError, match="norm ran"):  # every check passed: the norm is next
+            kda_aot.chunk_kda(q, q, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)

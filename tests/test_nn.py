@@ -148,6 +148,17 @@ def test_argument_errors():
         PackedKDA(2, 8, backward="recompute")
     with pytest.raises(ValueError, match="backend must be one of"):
         PackedKDA(2, 8, backend="triton")
+    # on the reference backend as on the kernels: the scale, the boundaries, the gate's dtype and device
+    with pytest.raises(ValueError, match="scale: expected a finite number"):
+        m(q, k, v, g, beta, cu_seqlens=cu, scale=float("nan"))
+    with pytest.raises(TypeError, match="scale: expected a real number"):
+        m(q, k, v, g, beta, cu_seqlens=cu, scale="x")
+    with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a list of ints"):
+        m(q, k, v, g, beta, cu_seqlens=[0, 3.5, 8])
+    with pytest.raises(TypeError, match="g: expected a floating-point tensor"):
+        m(q, k, v, g.long(), beta, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="g: on meta but q is on cpu"):
+        m(q, k, v, g.to("meta"), beta, cu_seqlens=cu)
 
 
 def test_cuda_backend_needs_head_dim_128():

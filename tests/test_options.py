@@ -58,16 +58,28 @@ def test_environment_read_once_at_import():
     assert out.stdout.split() == ["quarter", "False"]
     env["KDA_AOT_OPTIONS"] = "pipline=0"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "not name=value" in bad.stderr
+    assert bad.returncode != 0 and "not name=value" in bad.stderr and "KDA_AOT_OPTIONS" in bad.stderr
+
+
+def test_options_are_type_checked():
+    """A truthy string for a bool would leave the order on: refused, naming the option."""
+    with pytest.raises(TypeError, match="pipeline must be of type bool"):
+        options.Options(pipeline="no")
+    with pytest.raises(TypeError, match="max_heads must be of type int"):
+        options.Options(max_heads=True)
+    with pytest.raises(TypeError, match="walk_form must be of type str"):
+        with options.using(walk_form=None):
+            pass
 
 
 def test_the_package_reads_no_environment_on_the_call_path():
-    """Only the registry (which arch to load without a GPU) and options (KDA_AOT_OPTIONS, at import)
-    read the environment."""
+    """Only the registry (which arch to load without a GPU), options (KDA_AOT_OPTIONS, at import) and kda_aot.fla
+    (FLA's switches of its backends, FLA_KDA_AOT and FLA_KDA_AOT_CONV, which FLA's dispatch reads at every call by
+    its own rule) read the environment."""
     pkg = Path(kda_aot.__file__).resolve().parent
     readers = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*.py")
                      if re.search(r"os\.environ|os\.getenv", p.read_text()))
-    assert readers == ["_runtime/registry.py", "options.py"], readers
+    assert readers == ["_runtime/registry.py", "fla.py", "options.py"], readers
 
 
 def test_other_threads_see_the_options():

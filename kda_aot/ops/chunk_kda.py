@@ -6,14 +6,15 @@ chunk_kda_ops.
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..schedule import kda
 from ..schedule.kda import HEAD_DIM, MAX_HEADS
 from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
-from .gate import activate, kernel_beta, kernel_gate
+from .gate import activate, check_activation_shapes, kernel_beta, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, host_copy
-from .._runtime.tensor import checked_scale, require_cuda
+from .._runtime.tensor import check_cu_seqlens, checked_scale, require_cuda
 
 BACKWARD_MODES = ("replay", "saved")
 
@@ -119,6 +120,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     for name, x in (("q", q), ("k", k), ("v", v)):  # first: the gate's and beta's shapes are checked against them
         if isinstance(x, torch.Tensor):
             _check_head_dim(x, name)
+    # g's and beta's shapes first: the gate's parameters are checked against g's heads
+    check_activation_shapes(q, v, g, beta)
     # On the GPU the kernels activate the raw gate (kernel_gate); elsewhere activate() does, in torch.
     gate_args = ()
     if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:
@@ -135,11 +138,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)
-    if use_qk_l2norm_in_kernel:
-        _check_head_dim(q, "q")
-        q, k = _qk_l2norm(q, k)
     o, final = _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                 cu_seqlens_cpu, mode, gate_args, beta_kind)
+                                 cu_seqlens_cpu, mode, gate_args, beta_kind, qk_l2norm=use_qk_l2norm_in_kernel)
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
@@ -172,7 +172,7 @@ def _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_
 def _qk_l2norm(q, k):
     """use_qk_l2norm_in_kernel: q and k normalised per head by the l2norm op, once: its output is what the
     forward, the replay and the backward read (normalising inside each of them measured slower: docs/forward.md).
-    The norm's kernel is the op's first: the refusal of CPU tensors comes here, naming q."""
+    The norm's kernel is the op's first: the refusal of CPU tensors comes here, naming q, after every other check."""
     require_cuda(q, "q", "chunk_kda")
     return l2norm(q), l2norm(k)
 
@@ -193,10 +193,10 @@ def _check_head_dim(x, name):
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      backward, gate_args=(), beta_kind=kda.BETA_PLAIN):
-    """The KDA op on checked inputs (q, k of H heads, the rest of HV; q and k already normalised when asked);
-    gate_args: the kernels' gate activation (kernel_gate), g then the
-    raw gate; beta_kind: beta's (kernel_beta), beta then the logits."""
+                      backward, gate_args=(), beta_kind=kda.BETA_PLAIN, qk_l2norm=False):
+    """The KDA op on checked inputs (q, k of H heads, the rest of HV); gate_args: the kernels' gate activation
+    (kernel_gate), g then the raw gate; beta_kind: beta's (kernel_beta), beta then the logits; qk_l2norm: q and k
+    normalised first (after every check, the boundaries' values included: the norm's kernels run first)."""
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=len(gate_args) > 0,
                   beta_logits=beta_kind != kda.BETA_PLAIN)
     B, T = q.shape[0], q.shape[1]
@@ -209,6 +209,10 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
         # backward; under torch.compile the op reads it (a traced op cannot keep a host cache)
         cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
             cu_seqlens if torch.compiler.is_compiling() else host_copy(cu_seqlens))
+        if qk_l2norm and cu.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(cu):
+            check_cu_seqlens(cu, T)  # (traced, the op checks it)
+    if qk_l2norm:
+        q, k = _qk_l2norm(q, k)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))

@@ -162,6 +162,6 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     l2norm: y normalised per head of 128 channels in the same pass, y / sqrt(sum_head y^2 + 1e-6)
     (kda_aot.ops.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
     """
-    form = conv_form(x, l2norm)
     _check(x, weight, bias, halo, cu_seqlens)
+    form = conv_form(x, l2norm)
     return conv1d_silu_fwd_op(x, weight, bias, halo, cu_seqlens, form)

@@ -107,15 +107,9 @@ def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.b
     return beta.to(dtype)
 
 
-def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
-             lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-             beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False,
-             beta_logits_in_kernels: bool = False) -> tuple:
-    """FLA's per-token input activations, checked: (g as the log decay, beta). q [.., H, K], v, g [.., HV, K]
-    and beta [.., HV] with HV a multiple of H; a narrower float g without use_gate_in_kernel is widened to
-    fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate, which the kernels read as it is);
-    beta_logits_in_kernels: beta is kernel_beta's logits, which the kernels activate (not activated here).
-    Per token: under context parallelism each rank activates its own tokens."""
+def check_activation_shapes(q, v, g, beta) -> None:
+    """q [.., H, K], v, g [.., HV, K] and beta [.., HV] with HV a multiple of H: before the gate's parameters,
+    which are checked against g's heads."""
     for name, t in (("q", q), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -129,6 +123,18 @@ def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kerne
         raise ValueError(f"g: expected shape {[*v.shape[:3], q.shape[3]]} ([B, T, HV, K]), got {list(g.shape)}")
     if tuple(beta.shape) != tuple(v.shape[:3]):
         raise ValueError(f"beta: expected shape {list(v.shape[:3])} ([B, T, HV]), got {list(beta.shape)}")
+
+
+def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
+             lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+             beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False,
+             beta_logits_in_kernels: bool = False) -> tuple:
+    """FLA's per-token input activations, checked: (g as the log decay, beta). q [.., H, K], v, g [.., HV, K]
+    and beta [.., HV] with HV a multiple of H; a narrower float g without use_gate_in_kernel is widened to
+    fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate, which the kernels read as it is);
+    beta_logits_in_kernels: beta is kernel_beta's logits, which the kernels activate (not activated here).
+    Per token: under context parallelism each rank activates its own tokens."""
+    check_activation_shapes(q, v, g, beta)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
     if use_gate_in_kernel:

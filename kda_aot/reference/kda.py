@@ -41,6 +41,13 @@ def _check_kda_inputs(q, k, v, g, beta, initial_state, n_docs):
     if initial_state is not None and tuple(initial_state.shape) != (n_docs, HV, K, V):
         raise ValueError(f"initial_state must be {(n_docs, HV, K, V)}, "
                          f"got {tuple(initial_state.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     if not torch.compiler.is_compiling() and not bool((g <= 0).all()):  # (a compiled graph would break on it)
         raise ValueError("g: the log decay must be <= 0 everywhere (-inf resets a channel); got a positive or NaN "
                          "value")
