@@ -18,7 +18,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["cp"]:  # context parallel: its own launcher (torchrun) and arguments
         from . import cp
         return cp.main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m bench")
+    p = argparse.ArgumentParser(prog="python -m bench", epilog="context parallel: torchrun --nproc-per-node W -m bench "
+                                "cp --help (its own launcher and arguments)")
     p.add_argument("suite", choices=("conv", "single"))
     p.add_argument("--pack", default="Q1", help="Q1[,Q2..] or all (Q1-Q6)")
     p.add_argument("--iters", type=int, default=20)
