@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 
 import torch
 
@@ -34,6 +35,7 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
                       f"could not import ({e}): it needs fla-core 0.6.0 (pip install fla-core==0.6.0)") from e
 
 from ._runtime import registry
+from ._runtime.packing import host_copy
 from .ops.chunk_kda import chunk_kda
 from .ops.conv import WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
 from .schedule.kda import HEAD_DIM, MAX_HEADS
@@ -90,7 +92,12 @@ class KdaAotBackend(BaseBackend):
     priority = 4
 
     def chunk_kda_verifier(self, *args, **kwargs):
-        return verify(*args, **kwargs)
+        ok, why = verify(*args, **kwargs)
+        if not ok:
+            q = _CALL.bind_partial(*args, **kwargs).arguments.get("q")
+            if isinstance(q, torch.Tensor) and q.device.type == "cuda" and registry.serves(q.device):
+                _warn_declined(why)
+        return ok, why
 
     def chunk_kda(self, *args, **kwargs):
         if not _CALL.bind(*args, **kwargs).arguments.get("use_gate_in_kernel", False):
@@ -101,6 +108,16 @@ class KdaAotBackend(BaseBackend):
 
 
 _CALL = inspect.signature(verify)  # FLA 0.6.0's chunk_kda parameters
+_WARNED: set = set()
+
+
+def _warn_declined(why: str) -> None:
+    """A KDA call on a GPU kda_aot serves that runs on FLA's kernels is a slow step the user did not ask for:
+    said once per reason (FLA itself logs it at info level only)."""
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"kda_aot.fla: FLA's chunk_kda runs this call on its own Triton kernels, not on kda_aot's: "
+                      f"{why}", stacklevel=4)
 
 
 # ------------------------------------------------------------------ causal conv1d (FLA's ShortConvolution)
@@ -147,9 +164,11 @@ def conv_bwd_verify(x, dy, dht, weight=None, bias=None, residual=None, initial_s
 
 
 def _packed(x, cu_seqlens, cu_seqlens_cpu):
-    """(x as one [1, B T, D] pack, its document boundaries): B sequences of T tokens without cu_seqlens."""
+    """(x as one [1, B T, D] pack, its document boundaries on the host): B sequences of T tokens without
+    cu_seqlens. A device cu_seqlens is copied to the host once while it lives unwritten (host_copy): FLA's layer
+    hands its three convs and their backward the same tensor."""
     if cu_seqlens is not None:
-        return x, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+        return x, cu_seqlens_cpu if cu_seqlens_cpu is not None else host_copy(cu_seqlens)
     B, T, D = x.shape
     return x.reshape(1, B * T, D), torch.arange(B + 1, dtype=torch.int64) * T
 

@@ -275,3 +275,20 @@ def test_a_log_without_the_gate_flag_is_ignored_as_fla_does(fake_fla, monkeypatc
     backend.chunk_kda(*_call(), None, None, False, False, True, **params)  # use_gate_in_kernel, positionally
     backend.chunk_kda(*_call(), use_gate_in_kernel=True, **params)
     assert [sorted(k) for k in seen] == [[], ["A_log", "dt_bias"], ["A_log", "dt_bias", "use_gate_in_kernel"]]
+
+
+def test_a_declined_call_on_a_served_gpu_warns_once(fake_fla, monkeypatch):
+    """On a GPU kda_aot serves, a call its verifier declines runs on FLA's kernels: a slow step, said once per
+    reason; a CPU call (FLA's own business) says nothing."""
+    import warnings
+    module, _, fla_chunk_kda = fake_fla
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fla_chunk_kda(*_call()) == "triton"               # CPU tensors: no warning
+    monkeypatch.setattr(module.registry, "serves", lambda device: True)
+    fp16 = [t.as_subclass(_OnCuda) for t in _call(dtype=torch.float16)]
+    with pytest.warns(UserWarning, match="runs this call on its own Triton kernels.*not bf16"):
+        assert fla_chunk_kda(*fp16) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fla_chunk_kda(*fp16) == "triton"                  # once per reason
