@@ -45,7 +45,10 @@ def reference_step(device: str) -> dict:
     }
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+    argparse.ArgumentParser(prog="python -m kda_aot", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     built = "nothing built yet" if ARCH == "source" else f"kernels for {ARCH}"
     print(f"kda_aot {__version__} ({built}), torch {torch.__version__}")
     if torch.cuda.is_available():
