@@ -10,13 +10,15 @@ unknown keywords.
 causal_conv1d_fwd / causal_conv1d_bwd (what FLA's ShortConvolution runs in training): kda_aot's width-4 conv +
 SiLU kernels serve bf16 [B, T, D] inputs (D a multiple of 8; B = 1 with cu_seqlens) with activation "silu" /
 "swish" and no residual, initial state or final-state gradient; the rest runs on FLA's kernels.
-FLA_KDA_AOT=0 (FLA's switch for a backend) turns every kda_aot backend off, FLA_KDA_AOT_CONV=0 the conv alone;
+FLA_KDA_AOT=0 (FLA's switch for a backend) turns every kda_aot backend off, FLA_KDA_AOT_CONV=0 the conv alone
+(also with FLA_KDA_AOT=1, which FLA's own rule would read as every kda_aot backend on);
 FLA_DISABLE_BACKEND_DISPATCH=1 turns off every backend.
 """
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 import warnings
 
 import torch
@@ -36,6 +38,7 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
 
 from ._runtime import registry
 from ._runtime.packing import host_copy
+from ._runtime.tensor import check_cu_seqlens
 from .ops.chunk_kda import chunk_kda
 from .ops.conv import WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
 from .schedule.kda import HEAD_DIM, MAX_HEADS
@@ -117,7 +120,18 @@ def _warn_declined(why: str) -> None:
     if why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"kda_aot.fla: FLA's chunk_kda runs this call on its own Triton kernels, not on kda_aot's: "
-                      f"{why}", stacklevel=4)
+                      f"{why}", stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel of the first frame outside kda_aot, FLA and torch (the dispatch wrapper, its
+    compiler.disable frames, nn.Module's call): where the user's code called."""
+    skip = tuple(os.path.dirname(f) for f in (torch.__file__, getattr(sys.modules.get("fla"), "__file__", None),
+                                              __file__) if f)
+    frame, level = sys._getframe(2), 2  # level 2: _warn_declined's caller
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 # ------------------------------------------------------------------ causal conv1d (FLA's ShortConvolution)
@@ -147,6 +161,11 @@ def conv_fwd_verify(x, weight, bias=None, residual=None, initial_state=None, out
         return False, "residual / initial_state are FLA's own"
     if cu_seqlens is not None and x.shape[0] != 1:
         return False, f"{x.shape[0]} sequences with cu_seqlens (packed input is [1, T, D])"
+    if cu_seqlens is not None:
+        try:  # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it
+            check_cu_seqlens(_host_boundaries(cu_seqlens, cu_seqlens_cpu), x.shape[1])
+        except (TypeError, ValueError) as e:
+            return False, str(e)
     if any(t is not None and t.device != x.device for t in (weight, bias)):
         return False, "weight or bias on another device than x"
     return True, None
@@ -158,17 +177,22 @@ def conv_bwd_verify(x, dy, dht, weight=None, bias=None, residual=None, initial_s
     """(True, None) when kda_aot's conv kernels serve FLA's causal_conv1d_bwd call, else (False, why)."""
     if dht is not None:
         return False, "a final-state gradient is FLA's own"
-    if not isinstance(dy, torch.Tensor) or tuple(dy.shape) != tuple(x.shape) or not dy.is_floating_point():
-        return False, "dy not a float tensor of x's shape"
-    return conv_fwd_verify(x, weight, bias, residual, initial_state, False, activation, cu_seqlens)
+    if not isinstance(dy, torch.Tensor) or tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
+        return False, "dy not of x's shape and dtype (FLA reads a wider dy as it is)"
+    return conv_fwd_verify(x, weight, bias, residual, initial_state, False, activation, cu_seqlens, cu_seqlens_cpu)
+
+
+def _host_boundaries(cu_seqlens, cu_seqlens_cpu):
+    """cu_seqlens on the host: a device tensor is copied once while it lives unwritten (host_copy): FLA's layer
+    hands its three convs and their backward the same tensor."""
+    return cu_seqlens_cpu if cu_seqlens_cpu is not None else host_copy(cu_seqlens)
 
 
 def _packed(x, cu_seqlens, cu_seqlens_cpu):
     """(x as one [1, B T, D] pack, its document boundaries on the host): B sequences of T tokens without
-    cu_seqlens. A device cu_seqlens is copied to the host once while it lives unwritten (host_copy): FLA's layer
-    hands its three convs and their backward the same tensor."""
+    cu_seqlens."""
     if cu_seqlens is not None:
-        return x, cu_seqlens_cpu if cu_seqlens_cpu is not None else host_copy(cu_seqlens)
+        return x, _host_boundaries(cu_seqlens, cu_seqlens_cpu)
     B, T, D = x.shape
     return x.reshape(1, B * T, D), torch.arange(B + 1, dtype=torch.int64) * T
 
@@ -183,8 +207,8 @@ class KdaAotConvBackend(BaseBackend):
     priority = 4
 
     def is_enabled(self) -> bool:
-        # FLA_KDA_AOT=0 turns off every kda_aot backend; FLA's own rule reads the conv's switch
-        return os.environ.get(ENV_VAR, "1") != "0" and super().is_enabled()
+        # Either switch at 0 turns it off (FLA's own rule would let FLA_KDA_AOT=1 override the conv's 0)
+        return os.environ.get(ENV_VAR, "1") != "0" and os.environ.get(CONV_ENV_VAR, "1") != "0"
 
 
 @register(fla_conv_fwd, backend=KdaAotConvBackend, verifier=conv_fwd_verify)

@@ -11,7 +11,7 @@ kda_aot.cp.chunk_kda_cp. Projections, gates and output norm belong to the caller
 from __future__ import annotations
 
 import math
-import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -41,10 +41,13 @@ def _as_tensor(cu_seqlens):
     """Document boundaries given as a list: a CPU tensor (what the ops take; no host sync)."""
     if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens
-    if not isinstance(cu_seqlens, (list, tuple)) or not all(
-            isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
-        raise TypeError(f"cu_seqlens: expected a tensor or a list of ints, got {cu_seqlens!r}")
-    return torch.tensor([int(c) for c in cu_seqlens], dtype=torch.int64)
+    try:  # a list, range or array of integers (numpy's, one-element tensors'): not floats, not bools
+        if isinstance(cu_seqlens, (str, bytes)) or any(isinstance(c, bool) for c in cu_seqlens):
+            raise TypeError
+        values = [operator.index(c) for c in cu_seqlens]
+    except TypeError:
+        raise TypeError(f"cu_seqlens: expected a tensor or a sequence of ints, got {cu_seqlens!r}") from None
+    return torch.tensor(values, dtype=torch.int64)
 
 
 class PackedKDA(nn.Module):

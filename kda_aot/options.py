@@ -3,7 +3,8 @@
 The shipped choice of every option is its default. Benchmarks and tests pass other values with
 `using(Options(...))` around the calls they make. The options are process-wide, not per thread: the ops
 read them when they run, and autograd runs a backward on a thread of its own (a compiled graph called
-inside the block sees them too). The package reads no environment on the call path. For debugging only, `KDA_AOT_OPTIONS` (e.g. `walk_form=full,pipeline=0`) is read once at
+inside the block sees them too). The package reads no environment on the call path (kda_aot.fla aside: FLA's switches of its backends, read at each
+dispatch by FLA's rule). For debugging only, `KDA_AOT_OPTIONS` (e.g. `walk_form=full,pipeline=0`) is read once at
 import as the default.
 """
 from __future__ import annotations

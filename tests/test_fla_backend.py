@@ -191,8 +191,10 @@ def test_the_conv_verifiers_decline_what_the_kernels_do_not_serve(fake_fla, monk
         assert module.conv_fwd_verify(x, w, activation=activation, cu_seqlens=cu) == (True, None)
     assert module.conv_fwd_verify(x, w, torch.zeros(64).as_subclass(_OnCuda), activation="silu") == (True, None)
     assert module.conv_fwd_verify(*_conv_call(B=3), activation="silu") == (True, None)  # B sequences, no cu_seqlens
-    assert module.conv_bwd_verify(x, torch.zeros(x.shape).as_subclass(_OnCuda), None, w, activation="silu") == \
-        (True, None)
+    dy = torch.zeros(x.shape, dtype=torch.bfloat16).as_subclass(_OnCuda)
+    assert module.conv_bwd_verify(x, dy, None, w, activation="silu") == (True, None)
+    ok, why = module.conv_bwd_verify(x, dy.float(), None, w, activation="silu")
+    assert not ok and "dy not of x's shape and dtype" in why
     for args, kw, reason in [
             (_conv_call(), {"activation": None}, "activation None"),
             (_conv_call(dtype=torch.float16), {"activation": "silu"}, "torch.float16"),
@@ -201,7 +203,9 @@ def test_the_conv_verifiers_decline_what_the_kernels_do_not_serve(fake_fla, monk
             ((x, w), {"activation": "silu", "bias": torch.zeros(32)}, "bias of shape [32]"),
             ((x, w), {"activation": "silu", "residual": x}, "residual"),
             ((x, w), {"activation": "silu", "initial_state": torch.zeros(3, 64, 4)}, "initial_state"),
-            (_conv_call(B=2), {"activation": "silu", "cu_seqlens": cu}, "2 sequences with cu_seqlens")]:
+            (_conv_call(B=2), {"activation": "silu", "cu_seqlens": cu}, "2 sequences with cu_seqlens"),
+            ((x, w), {"activation": "silu", "cu_seqlens": torch.tensor([0, 30, 60])}, "must end at T = 70"),
+            ((x, w), {"activation": "silu", "cu_seqlens": torch.tensor([0, 40, 30, 70])}, "non-decreasing")]:
         ok, why = module.conv_fwd_verify(*args, **kw)
         assert not ok and reason in why, (kw, why)
     ok, why = module.conv_bwd_verify(x, x, torch.zeros(3, 64, 4), w, activation="silu")
@@ -257,6 +261,8 @@ def test_the_conv_switches(fake_fla, monkeypatch):
         return conv.causal_conv1d_fwd(x=x, weight=None, activation="silu") != "triton"
     assert conv_on() and fla_chunk_kda(*_call()) == "kda_aot"
     monkeypatch.setenv("FLA_KDA_AOT_CONV", "0")          # the conv alone off
+    assert not conv_on() and fla_chunk_kda(*_call()) == "kda_aot"
+    monkeypatch.setenv("FLA_KDA_AOT", "1")               # FLA's rule would read this as every kda_aot backend on
     assert not conv_on() and fla_chunk_kda(*_call()) == "kda_aot"
     monkeypatch.delenv("FLA_KDA_AOT_CONV")
     monkeypatch.setenv("FLA_KDA_AOT", "0")               # every kda_aot backend off

@@ -1,7 +1,8 @@
 """FLA's causal conv1d (what its ShortConvolution runs in training: fla-core 0.6.0's causal_conv1d_fwd and
 _bwd) dispatched to kda_aot's conv + SiLU kernels by `import kda_aot.fla`: bitwise kda_aot's own op on the same
-inputs, and against the fp64 reference no less accurate than FLA's Triton kernels on the same inputs in the same
-process (FLA_KDA_AOT_CONV=0). Calls the kernels do not serve (no activation) still run FLA's kernels.
+inputs, and against the fp64 reference as accurate as FLA's Triton kernels on the same inputs in the same
+process (FLA_KDA_AOT_CONV=0), to a tie's margin (below). Calls the kernels do not serve (no activation) still
+run FLA's kernels.
 
 Bounds: y and dx within the conv kernels' bf16 bound (tests/test_conv_gpu.py: 2^-8 of each element plus 1e-4 of
 the largest); every output's relative RMS error at most 1.1x FLA's (both round the same fp32 sums to bf16: a

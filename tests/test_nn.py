@@ -153,8 +153,12 @@ def test_argument_errors():
         m(q, k, v, g, beta, cu_seqlens=cu, scale=float("nan"))
     with pytest.raises(TypeError, match="scale: expected a real number"):
         m(q, k, v, g, beta, cu_seqlens=cu, scale="x")
-    with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a list of ints"):
+    with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a sequence of ints"):
         m(q, k, v, g, beta, cu_seqlens=[0, 3.5, 8])
+    as_list = m(q, k, v, g, beta, cu_seqlens=cu.tolist())[0]  # integers of any kind are boundaries
+    assert cu.tolist() == [0, 4, 8]
+    assert torch.equal(m(q, k, v, g, beta, cu_seqlens=range(0, 9, 4))[0], as_list)
+    assert torch.equal(m(q, k, v, g, beta, cu_seqlens=[torch.tensor(c) for c in cu.tolist()])[0], as_list)
     with pytest.raises(TypeError, match="g: expected a floating-point tensor"):
         m(q, k, v, g.long(), beta, cu_seqlens=cu)
     with pytest.raises(ValueError, match="g: on meta but q is on cpu"):
