@@ -103,14 +103,16 @@ class KdaAotBackend(BaseBackend):
         return ok, why
 
     def chunk_kda(self, *args, **kwargs):
-        if not _CALL.bind(*args, **kwargs).arguments.get("use_gate_in_kernel", False):
-            # FLA reads A_log and dt_bias only with use_gate_in_kernel (kda_aot.chunk_kda refuses them without)
-            kwargs.pop("A_log", None)
-            kwargs.pop("dt_bias", None)
+        if "A_log" in kwargs or "dt_bias" in kwargs:
+            gate = args[_GATE_ARG] if len(args) > _GATE_ARG else kwargs.get("use_gate_in_kernel", False)
+            if not gate:  # FLA reads A_log and dt_bias only with use_gate_in_kernel (kda_aot.chunk_kda refuses them)
+                kwargs.pop("A_log", None)
+                kwargs.pop("dt_bias", None)
         return chunk_kda(*args, **kwargs)
 
 
 _CALL = inspect.signature(verify)  # FLA 0.6.0's chunk_kda parameters
+_GATE_ARG = list(_CALL.parameters).index("use_gate_in_kernel")
 _WARNED: set = set()
 
 
@@ -159,9 +161,9 @@ def conv_fwd_verify(x, weight, bias=None, residual=None, initial_state=None, out
         return False, f"bias of shape {list(bias.shape)} (kda_aot's conv: [D])"
     if residual is not None or initial_state is not None:
         return False, "residual / initial_state are FLA's own"
-    if cu_seqlens is not None and x.shape[0] != 1:
-        return False, f"{x.shape[0]} sequences with cu_seqlens (packed input is [1, T, D])"
     if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            return False, f"{x.shape[0]} sequences with cu_seqlens (packed input is [1, T, D])"
         try:  # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it
             check_cu_seqlens(_host_boundaries(cu_seqlens, cu_seqlens_cpu), x.shape[1])
         except (TypeError, ValueError) as e:

@@ -120,11 +120,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     for name, x in (("q", q), ("k", k), ("v", v)):  # first: the gate's and beta's shapes are checked against them
         if isinstance(x, torch.Tensor):
             _check_head_dim(x, name)
-    # g's and beta's shapes first: the gate's parameters are checked against g's heads
-    check_activation_shapes(q, v, g, beta)
     # On the GPU the kernels activate the raw gate (kernel_gate); elsewhere activate() does, in torch.
     gate_args = ()
     if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:
+        check_activation_shapes(q, v, g, beta)  # first: the gate's parameters are checked against g's heads
         g, gate_args = kernel_gate(g, A_log, dt_bias, lower_bound, safe_gate)
         use_gate_in_kernel, A_log, dt_bias = False, None, None
     # beta's activation always runs in the kernels: the op takes the logits and beta_kind
