@@ -64,6 +64,9 @@ def test_cpu_tensors_are_refused_after_every_other_check():
     x, w, b, cu, h = good()
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
         causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
+    empty = x[:, :0]  # no token: nothing to launch, and still refused (not an empty result)
+    with pytest.raises(ValueError, match="x: causal_conv1d_silu runs its kernels on a CUDA GPU"):
+        causal_conv1d_silu(empty, w, b, cu_seqlens=torch.zeros(3, dtype=torch.int32), halo=h)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")

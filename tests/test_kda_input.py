@@ -115,6 +115,9 @@ def test_cpu_tensors_are_refused_last():
         with pytest.raises(ValueError, match="q: chunk_kda runs its kernels on a CUDA GPU, got a tensor on cpu; on "
                                              "the CPU, kda_aot.reference"):
             kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=cu, use_qk_l2norm_in_kernel=norm)
+    empty = [x[:, :0] for x in (q, k, v, g, b)]  # no token: nothing to launch, and still the same refusal
+    with pytest.raises(ValueError, match="q: chunk_kda runs its kernels on a CUDA GPU, got a tensor on cpu"):
+        kda_aot.chunk_kda(*empty, cu_seqlens=torch.zeros(3, dtype=torch.int32))
 
 
 def test_binding_refuses_unknown_and_missing_tensors():

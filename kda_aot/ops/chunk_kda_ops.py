@@ -101,12 +101,12 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
         out = {name: x[:C] for name, x in full.items()}
         for x in full.values():  # the rows past the pack's chunks hold zeros, not leftover memory
             x[C:].zero_()
+    require_cuda(q, "q", "chunk_kda")  # also with nothing to launch: a CPU call fails at T = 0 as at T > 0
     if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
         o, final, *context = _fake_forward(v, h0, cu_seqlens, output_final_state, save, keep)
         if output_final_state:
             final = h0.clone() if h0 is not None else final.zero_()
         return (o, final, *(x.zero_() for x in context))
-    require_cuda(q, "q", "chunk_kda")
     o, final, saved = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=tables, scale=scale,
                                         initial_state=_entering(h0, g, tables, gate)[0],
                                         output_final_state=output_final_state, save_tape=save, out=out, gate=gate,

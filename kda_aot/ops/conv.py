@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .._runtime import registry
-from .._runtime.tensor import describe, out_or, stream_of
+from .._runtime.tensor import describe, out_or, require_cuda, stream_of
 from .._runtime.packing import PLANNED_FROM_HOST, pack_tables
 
 WIDTH = 4
@@ -90,7 +90,8 @@ def _segments(x, halo, cu_seqlens):
 def conv1d_silu_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], halo: Optional[torch.Tensor],
                        cu_seqlens: torch.Tensor, form: str) -> torch.Tensor:
     tables, halo = _segments(x, halo, cu_seqlens)
-    if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch
+    if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch (the binding's checks do not run)
+        require_cuda(x, "x", "causal_conv1d_silu")  # a CPU call fails at T = 0 as at T > 0
         return x.new_empty(x.shape)
     return conv1d_silu_forward(x.contiguous(), _f32(weight), _f32(bias), tables.cu, halo, form=form)
 
@@ -107,6 +108,7 @@ def conv1d_silu_bwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     """(dx, dweight, dbias or [0], dhalo or [0]) in the dtypes of x, weight, bias and halo."""
     tables, seg_halo = _segments(x, halo, cu_seqlens)
     if tables.n_segments == 0:  # T = 0: no token, zero gradients
+        require_cuda(x, "x", "causal_conv1d_silu")
         return (x.new_empty(x.shape), weight.new_zeros(weight.shape),
                 x.new_empty((0,)) if bias is None else bias.new_zeros(bias.shape),
                 halo.new_zeros(halo.shape) if need_dhalo and halo is not None else x.new_empty((0,)))
