@@ -51,7 +51,12 @@ def bwd_chunk(cs, tape, dtape, Vn, v, dO, beta, gam_last, scale, kn):
     out["dKg"] = rnd(Vn @ dSk.transpose(-1, -2), kn["dkg"])
     dAqk32 = scale * tri * (dO @ Vn.transpose(-1, -2))
     out["dAqk"] = rnd(dAqk32, kn["daqk"])
-    out["dAqk_ii"] = rnd(torch.diagonal(dAqk32, dim1=-2, dim2=-1), kn["daqk_ii"])
+    dAqk_ii = torch.diagonal(dAqk32, dim1=-2, dim2=-1)
+    if kn["vnew_diag"] == "fp32":
+        dAqk_ii = scale * (dO * cs["Vn32"]).sum(-1)
+    elif kn["vnew_diag"] == "u_lo":
+        dAqk_ii = dAqk_ii + scale * (dO * cs["U_lo"]).sum(-1)
+    out["dAqk_ii"] = rnd(dAqk_ii, kn["daqk_ii"])
     dvp_w = dvp if kn["dvp_dw"] is None else rnd(dvp32, kn["dvp_dw"])
     dW = rnd(-(dvp_w @ S.transpose(-1, -2)), kn["dw"])
     inv = rnd(cs["inv"], kn["akk_inv"])

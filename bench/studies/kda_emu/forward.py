@@ -107,9 +107,10 @@ def chunk_stage(q, k, v, G, beta, kn):
         W32 = rnd(inv, kn["t_op"]) @ rnd(k.float() * beta[..., None] * ex2(G), kn["kexp"])
     W = rnd(W32, kn["w"])
     if kn["w_beta"] == "kv":
-        U = rnd(rnd(inv, kn["t_op"]) @ rnd(v.float() * beta[..., None], kn["t_op"]), kn["u"])
+        U32 = rnd(inv, kn["t_op"]) @ rnd(v.float() * beta[..., None], kn["t_op"])
     else:
-        U = rnd(T @ v.float(), kn["u"])
+        U32 = T @ v.float()
+    U = rnd(U32, kn["u"])
     Qg32 = q.float() * ex2(G)
     Kg32 = k.float() * ex2(G[:, :, -1:] - G)
     Qg = rnd(Qg32, kn["qg"])
@@ -119,7 +120,7 @@ def chunk_stage(q, k, v, G, beta, kn):
         Aqk_r = Aqk_r + torch.diag_embed(torch.diagonal(Aqk, dim1=-2, dim2=-1) - torch.diagonal(Aqk_r, dim1=-2, dim2=-1))
     else:
         Aqk_r = rnd(Aqk, kn["aqk"])
-    return dict(W=W, U=U, Qg=Qg, Kg=Kg, Aqk=Aqk_r, L=L, inv=inv, W32=W32, Qg32=Qg32, Kg32=Kg32,
+    return dict(W=W, U=U, U_lo=bf(U32 - U), Qg=Qg, Kg=Kg, Aqk=Aqk_r, L=L, inv=inv, W32=W32, Qg32=Qg32, Kg32=Kg32,
                 Aqk_ii=torch.diagonal(Aqk, dim1=-2, dim2=-1))
 
 
@@ -128,6 +129,7 @@ def fwd_walk(cs, gam_last, table, cu, h0, scale, kn):
     n, H = cs["W"].shape[:2]
     O = torch.zeros(n, H, C, K)
     Vn = torch.zeros(n, H, C, K)
+    cs["Vn32"] = torch.zeros(n, H, C, K)  # V' before its rounding (vnew_diag)
     tape = torch.zeros(n, H, K, K)
     final = torch.zeros(len(cu) - 1, H, K, K)
     S = None
@@ -139,12 +141,17 @@ def fwd_walk(cs, gam_last, table, cu, h0, scale, kn):
         vn32 = cs["U"][c] - cs["W"][c] @ Sb
         vn = rnd(vn32, kn["vnew"])
         Vn[c] = vn
+        cs["Vn32"][c] = vn32
         if kn["o_diag"] == "fp32":
             A = cs["Aqk"][c] - torch.diag_embed(torch.diagonal(cs["Aqk"][c], dim1=-2, dim2=-1))
             O[c] = scale * (cs["Qg"][c] @ Sb + A @ vn + cs["Aqk_ii"][c][..., None] * vn32)
         elif kn["o_diag"] == "residual":
             res = cs["Aqk_ii"][c] - torch.diagonal(cs["Aqk"][c], dim1=-2, dim2=-1)
             O[c] = scale * ((cs["Qg"][c] @ Sb + cs["Aqk"][c] @ vn) + res[..., None] * vn)
+            if kn["vnew_diag"] == "fp32":
+                O[c] = O[c] + scale * cs["Aqk_ii"][c][..., None] * (vn32 - vn)
+            elif kn["vnew_diag"] == "u_lo":
+                O[c] = O[c] + scale * cs["Aqk_ii"][c][..., None] * cs["U_lo"][c]
         elif kn["o_acc"] == "one":
             O[c] = scale * (cs["Qg"][c] @ Sb + cs["Aqk"][c] @ vn)
         S = torch.exp(gam_last[c])[:, :, None] * S + cs["Kg"][c].transpose(-1, -2) @ vn

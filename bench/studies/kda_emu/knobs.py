@@ -31,6 +31,9 @@ SHIPPED = {
     # kda_fwd_walk
     "s_op": "bf16",          # the state as a product operand
     "vnew": "bf16",          # V' as a product operand (and the saved V')
+    "vnew_diag": None,       # V' in the i = j terms of O and dAqk alone (None: vnew; 'fp32': V' before its rounding,
+                             # a V' lo tensor beside, its product with Aqk_ii / dO_i added in fp32, no extra mma;
+                             # 'u_lo': U's rounding error U - bf16(U) added there instead, V' as vnew)
     "o_acc": "one",          # O = Qg S + Aqk V' in one fp32 accumulator
     "o_diag": "mma",         # Aqk's i = j terms of O: inside the bf16 mma ('mma'); out of the tile and added
                              # as Aqk_ii (fp32) x V'_i (the fp32 accumulator V' is rounded from) ('fp32'); or
@@ -69,7 +72,7 @@ KNOB_DOC = {
     "aqk": "Aqk stored bf16",
     "t_op": "T = (I+L)^-1 diag(beta) operand", "kexp": "K e^Gamma operand", "w": "W stored", "u": "U stored",
     "qg": "Q e^Gamma stored", "kg": "K e^(gamma-Gamma) stored", "s_op": "walk: S operand",
-    "vnew": "walk: V' operand/saved", "ds_op": "bwd walk: dS operand", "ndv": "bwd walk: dV' operand",
+    "vnew": "walk: V' operand/saved", "vnew_diag": "V' in O's and dAqk's i = j terms", "ds_op": "bwd walk: dS operand", "ndv": "bwd walk: dV' operand",
     "tape_op": "bwd chunk: S, dS operands", "tape_dvp": "bwd chunk: dS operand of dV'",
     "akk_inv": "(I+L)^-1 saved bf16", "dvp": "bwd chunk: dV'", "dvp_dw": "bwd chunk: dV' as dW's operand",
     "dw": "bwd chunk: dW", "drk": "bwd chunk: dRk", "drv": "bwd chunk: dRv", "dqg": "dQg stored",
