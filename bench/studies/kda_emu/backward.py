@@ -6,7 +6,7 @@ import torch
 
 from .forward import chunk_stage, col_pieces, cumgate, fwd_walk, gate_factor, row_pieces
 from .inputs import beta_chunks, chunks_of, from_chunks, to_chunks
-from .rounding import C, K, ex2, rnd
+from .rounding import C, K, bf, ex2, rnd
 
 def bwd_walk(cs, gam_last, dO, table, cu, dht, scale, kn):
     n, H = cs["W"].shape[:2]
@@ -56,6 +56,11 @@ def bwd_chunk(cs, tape, dtape, Vn, v, dO, beta, gam_last, scale, kn):
         dAqk_ii = scale * (dO * cs["Vn32"]).sum(-1)
     elif kn["vnew_diag"] == "u_lo":
         dAqk_ii = dAqk_ii + scale * (dO * cs["U_lo"]).sum(-1)
+    elif kn["vnew_diag"] == "u_recomputed":  # U again in fp32 from the saved bf16 (I + L)^-1, beta and V, as
+        # kda_bwd_chunk would form it: bf16(inv_ij beta_j) below the diagonal times bf16 V, beta_i V_i in fp32
+        T = bf(rnd(cs["inv"], kn["akk_inv"]) * beta[:, :, None, :]) * torch.tril(torch.ones(C, C), -1)
+        U_again = T @ v.float() + beta[..., None] * v.float()
+        dAqk_ii = dAqk_ii + scale * (dO * (U_again - cs["U"])).sum(-1)
     out["dAqk_ii"] = rnd(dAqk_ii, kn["daqk_ii"])
     dvp_w = dvp if kn["dvp_dw"] is None else rnd(dvp32, kn["dvp_dw"])
     dW = rnd(-(dvp_w @ S.transpose(-1, -2)), kn["dw"])

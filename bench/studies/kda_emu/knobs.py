@@ -33,7 +33,9 @@ SHIPPED = {
     "vnew": "bf16",          # V' as a product operand (and the saved V')
     "vnew_diag": None,       # V' in the i = j terms of O and dAqk alone (None: vnew; 'fp32': V' before its rounding,
                              # a V' lo tensor beside, its product with Aqk_ii / dO_i added in fp32, no extra mma;
-                             # 'u_lo': U's rounding error U - bf16(U) added there instead, V' as vnew)
+                             # 'u_lo': U's rounding error U - bf16(U) added there instead, V' as vnew;
+                             # 'u_recomputed': dAqk_ii alone, U - bf16(U) with U formed again in fp32 by
+                             # kda_bwd_chunk from the saved bf16 (I + L)^-1, beta and V: no extra tensor)
     "o_acc": "one",          # O = Qg S + Aqk V' in one fp32 accumulator
     "o_diag": "mma",         # Aqk's i = j terms of O: inside the bf16 mma ('mma'); out of the tile and added
                              # as Aqk_ii (fp32) x V'_i (the fp32 accumulator V' is rounded from) ('fp32'); or
