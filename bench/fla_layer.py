@@ -71,9 +71,10 @@ def capture_kda_call(layer_module):
     return seen
 
 
-def count_kda_aot_calls():
+def count_kda_aot_calls(set_attr=setattr):
     """Count the calls FLA's dispatch hands to kda_aot: chunk_kda (its backend calls kda_aot.fla.chunk_kda) and
-    the conv's forward and backward (kda_aot.fla's conv1d_silu_fwd_op, _bwd_op)."""
+    the conv's forward and backward (kda_aot.fla's conv1d_silu_fwd_op, _bwd_op). set_attr installs the counting
+    wrappers (a test passes monkeypatch.setattr, which takes them out after it)."""
     import kda_aot.fla as backend
     count = {}
     for name in ("chunk_kda", "conv1d_silu_fwd_op", "conv1d_silu_bwd_op"):
@@ -82,7 +83,7 @@ def count_kda_aot_calls():
         def counted(*args, inner=getattr(backend, name), name=name, **kwargs):
             count[name] += 1
             return inner(*args, **kwargs)
-        setattr(backend, name, counted)
+        set_attr(backend, name, counted)
     return count
 
 

@@ -11,10 +11,6 @@ fp64 per op, through the layer's projections and norm; measured 6.4e-3 on the H2
 
 On a fresh machine FLA's Triton kernels autotune for these shapes first: ~4 min (carry the Triton cache, as
 bench/device_env.sh does)."""
-import sys
-import types
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -25,31 +21,16 @@ AGAINST_FLA = 2e-2
 COMPILED = 5e-3
 
 
-def kda_layer_class():
-    """fla.layers.kda.KimiDeltaAttention without fla.layers' __init__ (it imports every layer and transformers)."""
-    fla = pytest.importorskip("fla")
-    pytest.importorskip("einops")
-    if "fla.layers" not in sys.modules:
-        pkg = types.ModuleType("fla.layers")
-        pkg.__path__ = [str(Path(fla.__file__).parent / "layers")]
-        sys.modules["fla.layers"] = pkg
-    from fla.layers.kda import KimiDeltaAttention
-    return KimiDeltaAttention
-
-
 def rel_rms(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def test_fla_layer_trains_on_kda_aot_eager_and_compiled(monkeypatch):
+    pytest.importorskip("fla")
+    pytest.importorskip("einops")
+    from bench.fla_layer import count_kda_aot_calls, kda_layer_class
     KimiDeltaAttention = kda_layer_class()
-    import kda_aot.fla as backend
-    served = {n: 0 for n in ("chunk_kda", "conv1d_silu_fwd_op", "conv1d_silu_bwd_op")}
-    for name in served:
-        def counted(*args, inner=getattr(backend, name), name=name, **kwargs):
-            served[name] += 1
-            return inner(*args, **kwargs)
-        monkeypatch.setattr(backend, name, counted)
+    served = count_kda_aot_calls(monkeypatch.setattr)
     monkeypatch.delenv("FLA_KDA_AOT_CONV", raising=False)
     torch.manual_seed(1234)
     # the shapes of bench/device_wheel.sh's layer step: one FLA autotune serves both
