@@ -104,15 +104,24 @@ def test_chunk_stage_products_match_reference():
         print(f"{name}: {e:.2e}")
         assert torch.isfinite(got[name]).all() and e < REL, f"{name}: {e:.3e} (seed {SEED})"
     # dAqk as hi + lo (its diagonal from daqk_diag) against scale tril(dO V'^T) from the kernel's own bf16 dO, V'
-    # in fp64: fp32-accurate (bf16 hi alone is ~2e-3 off)
+    # in fp64: fp32-accurate (bf16 hi alone is ~2e-3 off). The diagonal adds scale dO_i . (U'_i - U_i), U' formed
+    # again from the kernel's own bf16 (I + L)^-1, beta and V as kda_bwd_chunk forms it (bf16(inv_ij beta_j) below
+    # the diagonal, beta_i V_i) and U the stored bf16 U: U's rounding error, which V'_i carries where W S decays.
     full = got["daqk"].cpu().double() + got["daqk_lo"].cpu().double()
     exact = torch.zeros_like(full)
     pos = torch.zeros(T, dtype=torch.long)  # each token's row in its chunk
-    vn = saved["vnew"].cpu().double()
+    vn, u = saved["vnew"].cpu().double(), saved["u"].cpu().double()
+    inv, b32 = saved["akk_inv"].cpu().float(), cpu[4].float()
     for _, c0, c1 in rs["chunks"].tolist():
-        pos[c0:c1] = torch.arange(c1 - c0)
+        L = c1 - c0
+        pos[c0:c1] = torch.arange(L)
         a = saved["scale"] * torch.einsum("ihd,jhd->ihj", do64[0, c0:c1], vn[0, c0:c1])
-        exact[0, c0:c1, :, :c1 - c0] = a * torch.tril(torch.ones(c1 - c0, c1 - c0, dtype=torch.float64))[:, None]
+        exact[0, c0:c1, :, :L] = a * torch.tril(torch.ones(L, L, dtype=torch.float64))[:, None]
+        t = (inv[0, c0:c1, :, :L] * b32[0, c0:c1].transpose(0, 1)[None]).to(torch.bfloat16)  # [i, h, j] x beta_j
+        t = t.double() * torch.tril(torch.ones(L, L, dtype=torch.float64), -1)[:, None]
+        u_again = torch.einsum("ihj,jhd->ihd", t, v64[0, c0:c1]) + b64[0, c0:c1, :, None] * v64[0, c0:c1]
+        du = saved["scale"] * (do64[0, c0:c1] * (u_again - u[0, c0:c1])).sum(-1)
+        exact[0, torch.arange(c0, c1), :, torch.arange(L)] += du
     full[0, torch.arange(T), :, pos] = got["daqk_diag"].cpu().double()[0]
     e = rel_rms(full, exact)
     print(f"daqk + daqk_lo: {e:.2e}")

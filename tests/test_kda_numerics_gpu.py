@@ -122,6 +122,20 @@ def test_o_and_dk_carry_the_diagonal_corrections(kind):
     assert_within(kind, "corrections", CORRECTED[kind])
 
 
+# dq at strong decay: dAqk_ii = scale dO_i . V'_i, and V'_i ~ U_i where W S has decayed, so U's bf16 rounding was dq's
+# largest error beyond its own; kda_bwd_chunk adds dO_i . (U'_i - bf16(U_i)) with U' formed again from the saved
+# (I + L)^-1, beta and V. Emulated on this test's case (bench/studies/kda_emulation.py --lens 1,63,64,65,1000,37
+# --heads 4 --seeds 12 --range, arms fixed:vnew_diag=none before, fixed after; min - max, x 1e-3): const-8 dq
+# 2.32-2.37 -> 1.65-1.67, unif-5 dq 2.32-2.41 -> 1.75-1.77 (FLA on the same draws: ~2.3 and ~2.8). The bounds lie
+# between: without the term every draw fails them.
+U_AGAIN = {"const-8": {"dq": 2.0e-3}, "unif-5": {"dq": 2.05e-3}}
+
+
+@pytest.mark.parametrize("kind", sorted(U_AGAIN))
+def test_dq_carries_u_rounding_error_in_daqk_diagonal(kind):
+    assert_within(kind, "u_again", U_AGAIN[kind])
+
+
 # Mild gates (g uniform in [-0.05, 0] and [-0.5, 0]; docs/numerics.md "Mild gates, after the tf32 measurement").
 # o's error there is Aqk's operand roundings, lowered by the column operand rounded once and Aqk's row operand as
 # bf16 hi + lo (kda_fwd_chunk); dq's is dAqk's bf16 rounding (its in-chunk terms are not decayed away), lowered

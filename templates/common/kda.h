@@ -126,7 +126,9 @@ struct KdaBwdArgs {
                                  //                    added in the gate's rows(dAqk, K) (dq: its in-chunk terms are
                                  //                    not decayed away at mild gates, docs/numerics.md) and
                                  //                    cols(dAqk, Q) (so that the pair terms cancel in dGamma)
-  float* daqk_diag;              // [T, H]      fp32  scale dO_i . V'_i: dAqk's diagonal, taken exactly by the gate
+  float* daqk_diag;              // [T, H]      fp32  scale dO_i . (V'_i + U'_i - U_i): dAqk's diagonal, taken exactly
+                                 //                    by the gate; U' is U formed again in fp32 from akk_inv, beta
+                                 //                    and V, so U's bf16 rounding leaves it (V'_i ~ U_i at strong decay)
   float* dbeta_v;                // [T, H]      fp32  sum_v V * dRv
   float* dgam_s;                 // [n_chunks, H, 128] fp32  exp(gamma) * rowsum(S * dS_end)
   // kda_bwd_gate inputs: q, k, g, beta and the fp32 intermediates above; outputs:

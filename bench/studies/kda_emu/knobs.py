@@ -88,5 +88,5 @@ KNOB_DOC = {
 # rounded once and Aqk's row operand as that product in bf16 hi + lo (kda_fwd_chunk); dS as hi + lo in
 # dV' = .. + Kg dS (kda_bwd_chunk).
 FIXED = dict(SHIPPED, gate_clamp=20.0, anchor="mid8", aqk_ii="exact", o_diag="residual", w_beta="t_diag",
-             gate_diag="exact", daqk_ii="fp32", dkg="fp32", tape_dkg="hilo", dg_kg="prefix", dvp="hilo",
-             gram_q="hilo", gram_b="bf16", daqk="hilo", tape_dvp="hilo")
+             vnew_diag="u_recomputed", gate_diag="exact", daqk_ii="fp32", dkg="fp32", tape_dkg="hilo",
+             dg_kg="prefix", dvp="hilo", gram_q="hilo", gram_b="bf16", daqk="hilo", tape_dvp="hilo")
