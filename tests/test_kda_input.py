@@ -181,6 +181,9 @@ def test_pack_tables_are_cached_by_value_and_accept_cpu_boundaries():
     assert a.cu.dtype == torch.int32 and a.cu.device.type == torch.device(DEV).type
     assert a.chunks.cpu().flatten().tolist() == chunk_table([0, 1, 65, 130, 259])[0]
     assert a.seg_chunks.cpu().tolist() == [0, 1, 2, 4, 7]
+    # the segment whose last chunk each chunk is (the forward's U rounding error of that chunk goes to its final state)
+    assert a.end_segment.cpu().tolist() == [0, 1, -1, 2, -1, -1, 3]
+    assert pack_tables(torch.tensor([0, 5, 5, 70]), 70, DEV).end_segment.cpu().tolist() == [0, -1, 1]  # an empty doc
     with pytest.raises(ValueError, match="cu_seqlens: must end at T = 260"):
         pack_tables(torch.tensor([0, 1, 65, 130, 259]), 260, DEV)
 
@@ -360,3 +363,17 @@ def test_the_gate_and_norm_flags_check_before_any_kernel(monkeypatch):
                 kda_aot.chunk_kda(*args, use_qk_l2norm_in_kernel=True, **kw)
         with pytest.raises(AssertionError, match="norm ran"):  # every check passed: the norm is next
             kda_aot.chunk_kda(q, q, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+
+
+def test_u_rounding_error_goes_to_a_segments_final_state_not_a_pieces_end_state():
+    """The forward's u_lo_end (one row per segment) follows the walk's views: narrowed with the segments, kept by
+    a segment's last piece only (the others end in a handoff state, not the final one)."""
+    from kda_aot.schedule.kda import piece_view, segments_view
+    lo = torch.arange(4).view(4, 1)
+    prepared = {"seg_chunks": torch.tensor([0, 1, 5, 6, 9]), "chain_lengths": (1, 4, 1, 3), "u_lo_end": lo}
+    assert segments_view(prepared, 1, 3)["u_lo_end"].flatten().tolist() == [1, 2]
+    bounds = (1, 3, 5)  # segment 1 in two pieces
+    chunks = torch.tensor(bounds)
+    assert "u_lo_end" not in piece_view(prepared, 1, chunks, bounds, 0)
+    assert piece_view(prepared, 1, chunks, bounds, 1)["u_lo_end"].flatten().tolist() == [1]
+    assert "u_lo_end" not in segments_view({k: v for k, v in prepared.items() if k != "u_lo_end"}, 0, 2)

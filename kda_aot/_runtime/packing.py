@@ -71,6 +71,7 @@ class PackTables:
     n_docs: int          # documents in cu_seqlens, zero-length ones included
     kept: tuple          # the document of each segment
     kept_index: torch.Tensor | None  # `kept` as int64 on the device; None when no document is empty
+    end_segment: torch.Tensor  # [n_chunks] int32: the segment whose last chunk a chunk is, else -1
 
     @property
     def n_segments(self) -> int:
@@ -103,8 +104,11 @@ def _tables(doc_bounds: tuple, device: torch.device) -> PackTables:
     chunks, seg_chunks = chunk_table(list(bounds))
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device)  # noqa: E731
     kept_index = None if len(kept) == len(doc_bounds) - 1 else torch.tensor(kept, dtype=torch.int64).to(device)
+    end_segment = [-1] * (len(chunks) // 2)
+    for n, end in enumerate(seg_chunks[1:]):
+        end_segment[end - 1] = n
     return PackTables(bounds, as_i32(list(bounds)), as_i32(chunks).view(-1, 2), as_i32(seg_chunks),
-                      len(doc_bounds) - 1, kept, kept_index)
+                      len(doc_bounds) - 1, kept, kept_index, as_i32(end_segment))
 
 
 def pack_tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> PackTables:

@@ -164,10 +164,10 @@ def _side_streams(device: torch.device, n: int, pool: str) -> list:
 
 
 # Descriptor entries with one row per segment: a launch over segments [a, b) gets rows [a, b).
-_PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state")
+_PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state", "u_lo_end")
 # Chunk-indexed tensors of the chunk-parallel programs: a launch over chunks [first, end) gets them
 # narrowed; the token-indexed ones stay whole (each chunk reads and writes its own tokens).
-_PER_CHUNK = ("chunks", "gamma", "tape", "dtape", "dgam_s")
+_PER_CHUNK = ("chunks", "gamma", "tape", "dtape", "dgam_s", "end_segment")
 
 
 def _chunk_range(t: dict, first: int = 0, end: int | None = None) -> dict:
@@ -239,14 +239,16 @@ def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
                          gate: Optional[GateActivation] = None, beta_kind: int = BETA_PLAIN, *, keep: bool = False,
-                         kept: Optional[dict] = None) -> dict:
+                         kept: Optional[dict] = None, final_state: bool = False) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
     preallocated gamma; gate: the gate's activation (g the raw gate), beta_kind: beta's activation (beta the
     logits), both kept for the backward.
     keep (the forward of a replay training call): the stage also writes inv_pack, which the replay reads with
     tril(Aqk) (the forward's aqk) instead of forming both again. kept (REPLAY_KEPT's tensors of such a forward;
     with save_tape): the replay's chunk stage, form `replay`, reading them; it writes (I + L)^-1 for kda_bwd_chunk
-    and neither aqk nor aqk_diag_lo (only the forward walk's output stage reads the last)."""
+    and neither aqk nor aqk_diag_lo (only the forward walk's output stage reads the last).
+    final_state (a forward that returns the final states): the stage also writes U's rounding error over each
+    segment's last chunk (u_lo_end, where end_segment says), which the walk adds to the final state."""
     if beta_kind not in BETA_KINDS:
         raise ValueError(f"beta_kind: expected 0, 1 (sigmoid) or 2 (2 sigmoid), got {beta_kind}")
     if (keep and save_tape) or (kept is not None and not save_tape):
@@ -269,6 +271,8 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         **extra,
         "gamma": out_or(out or {}, "gamma", lambda: torch.empty(C, H, HEAD_DIM, **f32)),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
+        **({"u_lo_end": torch.empty(tables.n_segments, CHUNK, H, HEAD_DIM, **bf16),
+            "end_segment": tables.end_segment} if final_state and kept is None else {}),
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
@@ -322,6 +326,8 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
                              output_final_state=output_final_state))
     if not save_tape:
         t["akk_inv"] = None
+    if not output_final_state:
+        t.pop("u_lo_end", None)
     _launch_walk("kda_fwd_walk", t, prepared["chain_lengths"], H, t["scale"], v.device, walk_form, sm_count, pool)
     return t["o"], t["final_state"], t
 
@@ -341,14 +347,18 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     (beta the logits with BETA_SIGMOID, BETA_SIGMOID_2). keep: saved also holds what the replay backward reads
     from the forward (aqk, inv_pack: _chunk_stage_tensors)."""
     prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out, gate,
-                                    beta_kind, keep=keep)
+                                    beta_kind, keep=keep, final_state=output_final_state)
     walk_args = dict(initial_state=initial_state, output_final_state=output_final_state, save_tape=save_tape,
                      walk_form=walk_form, want_output=want_output)
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
     if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not _on_gpu(q):
         _launch_chunk_stage(prepared, initial_state)
-        return chunk_kda_walk(prepared, out=out, **walk_args)
-    return _fwd_pipelined(prepared, out, **walk_args)
+        o, final_state, saved = chunk_kda_walk(prepared, out=out, **walk_args)
+    else:
+        o, final_state, saved = _fwd_pipelined(prepared, out, **walk_args)
+    for name in ("u_lo_end", "end_segment"):  # the forward's alone: the backward does not hold them
+        saved.pop(name, None)
+    return o, final_state, saved
 
 
 def _on_gpu(x) -> bool:
@@ -423,6 +433,8 @@ def segments_view(prepared: dict, first: int, end: int) -> dict:
     t = dict(prepared)
     t["seg_chunks"] = prepared["seg_chunks"][first:end + 1]
     t["chain_lengths"] = prepared["chain_lengths"][first:end]
+    if t.get("u_lo_end") is not None:
+        t["u_lo_end"] = t["u_lo_end"][first:end]
     return t
 
 
@@ -430,8 +442,11 @@ def piece_view(prepared: dict, segment: int, chunks: torch.Tensor, bounds, p: in
     """`prepared` seen as piece p of its one segment `segment`, cut at chunk `bounds` (fit.pieced_group;
     `chunks`: the same bounds on the device, int32): a walk over it starts from the piece before's end
     state."""
-    return dict(segments_view(prepared, segment, segment + 1), seg_chunks=chunks[p:p + 2],
-                chain_lengths=(bounds[p + 1] - bounds[p],))
+    t = dict(segments_view(prepared, segment, segment + 1), seg_chunks=chunks[p:p + 2],
+             chain_lengths=(bounds[p + 1] - bounds[p],))
+    if p + 2 < len(bounds):  # U's rounding error goes into the segment's final state, not a piece's end state
+        t.pop("u_lo_end", None)
+    return t
 
 
 def segment_view(prepared: dict, segment: int) -> dict:

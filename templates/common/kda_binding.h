@@ -42,7 +42,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                                  "dout", "dfinal_state", "dtape", "dinitial_state", "akk_inv", "inv_pack", "dv", "drk",
                                  "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s", "dq", "dk",
                                  "dg", "dbeta", "dbeta_part", "transfer", "gate_a_log", "gate_dt_bias", "ddt_bias_part",
-                                 "da_log_part"};
+                                 "da_log_part", "u_lo_end", "end_segment"};
   KdaTensors out;
   auto& t = out.t;
   for (auto item : tensors) {
@@ -152,6 +152,8 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
       {"gate_dt_bias", kFloat32, {H, kHeadDim}, "[H, 128]"},
       {"ddt_bias_part", kFloat32, {C, H, kHeadDim}, "[n_chunks, H, 128]"},
       {"da_log_part", kFloat32, {C, H, 2}, "[n_chunks, H, 2]"},
+      {"u_lo_end", kBFloat16, {N, kChunk, H, kHeadDim}, "[N, 64, H, 128]"},
+      {"end_segment", kInt32, {C}, "[n_chunks]"},
   };
   std::vector<const Tensor*> all;
   for (const Spec& sp : specs) {
@@ -175,7 +177,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
                         std::string(sp.name) == "daqk_diag" || std::string(sp.name) == "aqk_diag_lo" ||
                         std::string(sp.name) == "gate_a_log" ||
                         std::string(sp.name) == "gate_dt_bias" || std::string(sp.name) == "da_log_part" ||
-                        std::string(sp.name) == "seg_chunks";
+                        std::string(sp.name) == "seg_chunks" || std::string(sp.name) == "end_segment";
     expect_aligned(it->second, scalar ? dtype_size(it->second.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
   }
@@ -273,6 +275,12 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   a.tape = reinterpret_cast<float*>(k.ptr("tape"));
   a.vnew = reinterpret_cast<uint16_t*>(k.ptr("vnew"));
   a.final_state = reinterpret_cast<float*>(k.ptr("final_state"));
+  // U's rounding error over each segment's last chunk: the forward chunk stage writes it where end_segment
+  // says, the walk adds it to the final state
+  a.u_lo_end = reinterpret_cast<uint16_t*>(k.ptr("u_lo_end"));
+  a.end_segment = reinterpret_cast<const int32_t*>(k.ptr("end_segment"));
+  if (a.u_lo_end && needs(need, "g") && !a.end_segment)  // (the chunk stages read g, the walks do not)
+    fail_type(std::string(what) + ": u_lo_end needs end_segment (the segment each chunk ends)");
   a.transfer = reinterpret_cast<float*>(k.ptr("transfer"));
   a.o = reinterpret_cast<uint16_t*>(k.ptr("o"));
   run_launcher(launcher, a, stream, what);
