@@ -35,6 +35,8 @@ def _fwd_chunk(t):
         if t.get("akk_inv") is not None:
             t["akk_inv"][0, sl] = (k[..., :64] * 0.25).to(t["akk_inv"].dtype)  # from the data, not the position
         t["gamma"][c] = t["g"][0, sl].sum(0)
+        if t.get("u_lo_end") is not None and int(t["end_segment"][c]) >= 0:  # a segment's last chunk
+            t["u_lo_end"][int(t["end_segment"][c]), :t1 - t0] = (v * 1e-2).to(t["u_lo_end"].dtype)
 
 
 def _segments(t):
@@ -57,6 +59,9 @@ def _fwd_walk(t):
                                     + t["aqk_diag_lo"][0, t0:t1, :, None]).to(t["o"].dtype)
             S = 0.9 * S + 1e-3 * t["gamma"][c][..., None] + 1e-3 * t["w"][0, t0:t1].float().sum(0)[..., None]
         if t.get("final_state") is not None:
+            if t.get("u_lo_end") is not None and b > a:  # Kg^T of the last chunk's U rounding error
+                t0, t1 = rows[b - 1]
+                S = S + torch.einsum("thk,thv->hkv", t["kg"][0, t0:t1].float(), t["u_lo_end"][s, :t1 - t0].float())
             t["final_state"][s] = S
 
 
@@ -111,12 +116,12 @@ _PROGRAMS = {"kda_fwd_chunk": _fwd_chunk, "kda_fwd_walk": _fwd_walk, "kda_bwd_wa
 # holds every launch to having waited for the launches that wrote what it reads, and for those that read or
 # wrote what it writes.
 _READS = {"kda_fwd_chunk": ("q", "k", "v", "g", "beta"),
-          "kda_fwd_walk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "initial_state"),
+          "kda_fwd_walk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "gamma", "initial_state", "u_lo_end"),
           "kda_bwd_walk": ("dout", "w", "qg", "kg", "aqk", "gamma", "dfinal_state"),
           "kda_bwd_chunk": ("dtape", "tape", "dout", "vnew", "kg", "aqk", "akk_inv", "u", "v", "w", "beta", "gamma"),
           "kda_bwd_gate": ("dqg", "dkg", "drk", "daqk", "daqk_lo", "daqk_diag", "dakk", "dbeta_v", "dgam_s", "q", "k",
                            "g", "beta")}
-_WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma"),
+_WRITES = {"kda_fwd_chunk": ("w", "u", "qg", "kg", "aqk", "aqk_diag_lo", "akk_inv", "gamma", "u_lo_end"),
            "kda_fwd_walk": ("tape", "vnew", "o", "final_state"),
            "kda_bwd_walk": ("dtape", "dinitial_state"),
            "kda_bwd_chunk": ("dv", "drk", "dqg", "dkg", "daqk", "daqk_lo", "dakk", "daqk_diag", "dbeta_v", "dgam_s"),
@@ -168,12 +173,15 @@ class _Ordering:
         else:  # chunk-indexed tensors narrowed to the launch's chunks
             rows = None
             tokens = (int(chunks[0][0]), int(chunks[-1][1])) if chunks.shape[0] else None
+        # the segments whose last chunk a chunk-parallel launch holds (its rows of u_lo_end)
+        ends = None if rows is not None or desc.get("end_segment") is None else \
+            [int(s) for s in desc["end_segment"].tolist() if s >= 0]
         touched = []
         for writes, names in ((False, _READS[program]), (True, _WRITES[program])):
             for name in names:
                 x = desc.get(name)
                 if isinstance(x, torch.Tensor) and x.numel() and tokens is not None:
-                    touched += [(lo, hi, writes, name, x) for lo, hi in self._ranges(name, x, rows, tokens)]
+                    touched += [(lo, hi, writes, name, x) for lo, hi in self._ranges(name, x, rows, tokens, ends)]
         self._check(program, stream, me, touched)
 
     def touch(self, what, reads=(), writes=()):
@@ -197,8 +205,10 @@ class _Ordering:
                          for lo, hi, writes, name, x in touched]
 
     @staticmethod
-    def _ranges(name, x, rows, tokens):
+    def _ranges(name, x, rows, tokens, ends=None):
         es, ptr = x.element_size(), x.data_ptr()
+        if name == "u_lo_end" and ends is not None:  # a chunk-parallel launch: its segments' rows
+            return [(ptr + s * x.stride(0) * es, ptr + (s + 1) * x.stride(0) * es) for s in ends]
         if name in _CHUNK_ROWS:
             if rows is None:  # narrowed to the launch's chunks
                 return [(ptr, ptr + x.numel() * es)]
@@ -318,6 +328,10 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.isnan(b[0]).any()
     for name in ("tape", "vnew", "w", "u", "qg", "kg", "aqk", "akk_inv", "gamma"):
         assert torch.equal(a[2][name], b[2][name]), name
+    # the final states took the last chunks' U rounding error (a walk of the same stage without it differs)
+    prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0)
+    bare = kda.chunk_kda_walk(prepared, initial_state=h0, output_final_state=True)[1]
+    assert not torch.isnan(bare).any() and not torch.equal(bare, a[1])
 
 
 @pytest.mark.parametrize("lens,deferred,senders", [([300, 129], [0], [1]), ([1, 63, 64, 65, 130, 2], [0, 3, 4], [1, 5]),

@@ -226,13 +226,14 @@ def _pick_form(what: str, form, forms: tuple) -> str:
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      beta_kind=BETA_PLAIN, keep=False, kept=None):
+                      beta_kind=BETA_PLAIN, keep=False, kept=None, final_state=False):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    beta_kind: one of BETA_KINDS; keep, kept: as _chunk_stage_tensors'."""
+    beta_kind: one of BETA_KINDS; keep, kept, final_state: as _chunk_stage_tensors' (with final_state the
+    walk's final states are chunk_kda_fwd's; without, its end states are those the CP summaries take)."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             beta_kind=beta_kind, keep=keep, kept=kept)
+                             beta_kind=beta_kind, keep=keep, kept=kept, final_state=final_state)
     _launch_chunk_stage(t, initial_state)
     return t
 
