@@ -279,7 +279,7 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   // says, the walk adds it to the final state
   a.u_lo_end = reinterpret_cast<uint16_t*>(k.ptr("u_lo_end"));
   a.end_segment = reinterpret_cast<const int32_t*>(k.ptr("end_segment"));
-  if (a.u_lo_end && needs(need, "g") && !a.end_segment)  // (the chunk stages read g, the walks do not)
+  if (a.u_lo_end && !a.end_segment)
     fail_type(std::string(what) + ": u_lo_end needs end_segment (the segment each chunk ends)");
   a.transfer = reinterpret_cast<float*>(k.ptr("transfer"));
   a.o = reinterpret_cast<uint16_t*>(k.ptr("o"));
