@@ -41,6 +41,9 @@ REL = 1e-2
 STRONG_GATES = ("const-12", "const-30", "unif-60", "ninf")
 STRONG_PACKS = ("mixed", "spans")
 STRONG_BOUND = {"dbeta": 5e-2}
+# At constant strong gates a document's final state is its last tokens' Kg^T U, U's rounding added back on the
+# rank where it ends (docs/numerics.md, "The final state"): ~1e-7 there, 1.7e-3 without it.
+FINAL_LO_GATES = ("const-12", "const-30")
 PACKS = {"spans": [1500, 80], "mixed": [1, 63, 64, 65, 700, 130, 5], "single": [2100],
          "long": [9000, 300, 4200]}  # T % 4 == 0 (zigzag); "long": fragments of > 32 chunks (summary pieces)
 PER_FRAGMENT = {"cp_batched_summaries": False}  # Options; the default is batched
@@ -209,5 +212,6 @@ def test_strong_gates_match_reference(gate, layout, pack):
             continue
         e = rel_rms(x, want[key])
         print(f"{gate} {layout} {pack} {key}: {e:.2e}")
-        assert e < STRONG_BOUND.get(key, REL), f"{key}: {e:.3e} ({gate} {layout} {pack}, seed {G.SEED})"
+        bound = 1e-4 if key == "final" and gate in FINAL_LO_GATES else STRONG_BOUND.get(key, REL)
+        assert e < bound, f"{key}: {e:.3e} ({gate} {layout} {pack}, seed {G.SEED})"
     assert torch.equal(got["dg"][below], torch.zeros_like(got["dg"][below]))

@@ -365,15 +365,20 @@ def test_the_gate_and_norm_flags_check_before_any_kernel(monkeypatch):
             kda_aot.chunk_kda(q, q, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
 
 
-def test_u_rounding_error_goes_to_a_segments_final_state_not_a_pieces_end_state():
-    """The forward's u_lo_end (one row per segment) follows the walk's views: narrowed with the segments, kept by
-    a segment's last piece only (the others end in a handoff state, not the final one)."""
-    from kda_aot.schedule.kda import piece_view, segments_view
+def test_u_rounding_error_goes_to_the_final_states_that_are_outputs():
+    """The forward's u_lo_end (one row per segment) follows the walk's views, narrowed with the segments and
+    pieces; end_segment says which last chunks carry it: every segment's (one GPU) or the listed ones (context
+    parallelism: the fragments that end their document here), never a piece's inner end."""
+    from kda_aot.schedule.kda import _end_segments, piece_view, segments_view
     lo = torch.arange(4).view(4, 1)
     prepared = {"seg_chunks": torch.tensor([0, 1, 5, 6, 9]), "chain_lengths": (1, 4, 1, 3), "u_lo_end": lo}
     assert segments_view(prepared, 1, 3)["u_lo_end"].flatten().tolist() == [1, 2]
-    bounds = (1, 3, 5)  # segment 1 in two pieces
-    chunks = torch.tensor(bounds)
+    bounds = (1, 3, 5)  # segment 1 in two pieces: piece 0 ends at chunk 2 (no segment's end), beside the chunk
+    chunks = torch.tensor(bounds)  # stage of piece 1, which writes the segment's row: it is not handed the tensor
     assert "u_lo_end" not in piece_view(prepared, 1, chunks, bounds, 0)
     assert piece_view(prepared, 1, chunks, bounds, 1)["u_lo_end"].flatten().tolist() == [1]
     assert "u_lo_end" not in segments_view({k: v for k, v in prepared.items() if k != "u_lo_end"}, 0, 2)
+    tables = pack_tables(torch.tensor([0, 1, 65, 130, 259]), 259, DEV)
+    assert _end_segments(tables, None) is tables.end_segment
+    assert _end_segments(tables, (1, 3)).cpu().tolist() == [-1, 1, -1, -1, -1, -1, 3]
+    assert _end_segments(tables, ()).cpu().tolist() == [-1] * 7

@@ -59,7 +59,8 @@ def _fwd_walk(t):
                                     + t["aqk_diag_lo"][0, t0:t1, :, None]).to(t["o"].dtype)
             S = 0.9 * S + 1e-3 * t["gamma"][c][..., None] + 1e-3 * t["w"][0, t0:t1].float().sum(0)[..., None]
         if t.get("final_state") is not None:
-            if t.get("u_lo_end") is not None and b > a:  # Kg^T of the last chunk's U rounding error
+            if t.get("u_lo_end") is not None and b > a and int(t["end_segment"][b - 1]) >= 0:  # Kg^T of the last
+                # chunk's U rounding error, where that chunk ends a segment whose final state is an output
                 t0, t1 = rows[b - 1]
                 S = S + torch.einsum("thk,thv->hkv", t["kg"][0, t0:t1].float(), t["u_lo_end"][s, :t1 - t0].float())
             t["final_state"][s] = S
@@ -366,10 +367,15 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     backend, bounds = CudaBackend(), cu.tolist()
     states = known.clone()
     states[deferred] = later[deferred]
-    plain = backend.forward(q, k, v, g, beta, bounds, states, 0.1, keep=keep,
-                            prepared=backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=keep))
-    calls = []
     summarised = summarised_of(deferred)
+    # the segments that end their document here: their final states carry the last chunk's U rounding error
+    ends = [s for s in range(len(lens)) if s not in senders and s not in summarised]
+    plain = backend.forward(q, k, v, g, beta, bounds, states, 0.1, keep=keep,
+                            prepared=backend.prepare(q, k, v, g, beta, bounds, 0.1, keep=keep, final_segments=ends))
+    bare = backend.forward(q, k, v, g, beta, bounds, states, 0.1, keep=False)[1]
+    others = [s for s in range(len(lens)) if s not in ends]
+    assert torch.equal(bare[others], plain[1][others]) and (not ends or not torch.equal(bare[ends], plain[1][ends]))
+    calls = []
 
     def entering(prepared, finals):
         calls.append(finals[senders].clone())  # what the exchange would send
@@ -385,7 +391,7 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     poisoned_known = known.clone()
     poisoned_known[deferred] = float("nan")  # the deferred rows must not be read
     got = backend.forward_pipelined(q, k, v, g, beta, bounds, 0.1, keep, poisoned_known, deferred,
-                                    SimpleNamespace(run=entering), senders, summarised)
+                                    SimpleNamespace(run=entering), senders, summarised, final_segments=ends)
     emulated.touch("the caller", reads=[got[0], got[1]] + ([got[2][n] for n in ("tape", "vnew")] if keep else []))
     assert len(calls) == 1 and torch.equal(calls[0], plain[1][senders])
     assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1]) and not torch.isnan(got[1]).any()

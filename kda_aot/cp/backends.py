@@ -41,6 +41,11 @@ states:
         again: forward, forward_pipelined and prepare take keep_replay=True and the forward's ctx is then
         that ({REPLAY_KEPT: tensor}: kda_aot.schedule.kda._chunk_stage_tensors); the replay hands it back as
         kept= to prepare and replay_pipelined. Bitwise the same as forming it again.
+    final_state_lo = True                                                             (optional)
+        prepare and forward_pipelined take final_segments: the local segments whose final state is an
+        output (their document ends here) take their last chunk's U rounding error into it (the others'
+        end states, a sender's included, keep the plain walk's bits); the op passes them when the final
+        state is asked for.
 
 CudaBackend: summary = the forward walk from zero (B) + the transfer (M) walk, forward(keep) =
 the forward kernels keeping the tape, backward = the backward kernels, state_grads = the backward
@@ -139,12 +144,16 @@ class CudaBackend:
         return self.summary_of(kda_schedule.chunk_kda_prepare(frag[0], *frag, cu_seqlens=cu), 0, True)
 
     replay_keeps = True
+    # prepare() and forward_pipelined() take final_segments: the local segments whose final state is an output
+    # (their document ends here) carry their last chunk's U rounding error (kda_aot.schedule.kda)
+    final_state_lo = True
 
     def prepare(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool, keep_replay=False,
-                kept=None):
+                kept=None, final_segments=()):
         cu = torch.tensor(list(cu_local), dtype=torch.int32)
         return kda_schedule.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, scale=scale, save_tape=keep,
-                                              keep=keep_replay, kept=kept)
+                                              keep=keep_replay, kept=kept, final_state=bool(final_segments),
+                                              final_segments=tuple(final_segments))
 
     def summary_of(self, prepared, segment: int, need_b: bool):
         """(M, B) of one local segment from the prepared chunk stage: the same chunk-stage values
@@ -181,7 +190,7 @@ class CudaBackend:
         view = dict(prepared, chunks=prepared["chunks"].index_select(0, sel),
                     gamma=prepared["gamma"].index_select(0, sel),
                     seg_chunks=host_table_to(torch.tensor(bounds, dtype=torch.int32), device),
-                    chain_lengths=tuple(pieces))
+                    chain_lengths=tuple(pieces), u_lo_end=None, end_segment=None)  # (tables of the segments)
         B = None
         if any(need_b for _, need_b in requests):
             _, B, _ = kda_schedule.chunk_kda_walk(view, output_final_state=True, want_output=False)
@@ -209,7 +218,7 @@ class CudaBackend:
 
     def forward_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, keep: bool,
                           known: torch.Tensor, deferred: Sequence[int], exchange, senders: Sequence[int] = (),
-                          summarised: Optional[Sequence[int]] = None, keep_replay=False):
+                          summarised: Optional[Sequence[int]] = None, keep_replay=False, final_segments=()):
         """forward() in the single-GPU pipelined order (kda.chunk_kda_fwd_deferred): the chunk stage a
         segment group at a time with the walks of the segments whose entering state is known (`known`,
         one row per local segment; the `deferred` rows are not read) beside it, the `senders` first;
@@ -224,7 +233,7 @@ class CudaBackend:
             q, k, v, g, beta, cu_seqlens=cu, scale=scale, initial_state=known.to(torch.float32).contiguous(),
             deferred=deferred, exchange=exchange,
             save_tape=keep, senders=senders, exchange_beside=options.current().cp_exchange_beside,
-            summarised=summarised, keep=keep_replay)
+            summarised=summarised, keep=keep_replay, final_segments=final_segments)
         return o, finals, _forward_ctx(saved, keep, keep_replay)
 
     def replay_pipelined(self, q, k, v, g, beta, cu_local: Sequence[int], scale: float, states: torch.Tensor,

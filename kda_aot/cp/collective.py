@@ -79,7 +79,7 @@ def phase_times(clear: bool = True) -> dict:
 
 def _prepare(backend, local, q, k, v, g, beta, plan: CPPlan, scale, keep, **replay):
     """The backend's state-free part of the local forward, when it has one (else None). replay: keep_replay or
-    kept (a backend with replay_keeps)."""
+    kept (a backend with replay_keeps), and final_segments (one with final_state_lo)."""
     prepare = getattr(backend, "prepare", None)
     if prepare is None or not local:
         return None
@@ -189,6 +189,9 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
 
     deferred, senders, summarised = pipelined_roles(local)
     middle = [f for f in local if f.segment in summarised]  # summarised whatever the order
+    # the final states that are outputs carry their last chunk's U rounding error, where the backend can
+    ends = tuple(f.segment for f in local if f.is_last)
+    lo = {"final_segments": ends} if want_final and ends and getattr(backend, "final_state_lo", False) else {}
 
     # the initial state's factor of each local fragment's first token, formed once (known_state runs for
     # a fragment several times; only the factors of fragments that start their document are used)
@@ -233,7 +236,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
         with _Phase("fwd local", q.device):
             o, finals, lctx = pipelined(q, k, v, g, beta, plan.local_cu_seqlens, scale, keep,
                                         torch.stack([known_state(f) for f in local]),
-                                        list(deferred), node, list(senders), list(summarised), **replay)
+                                        list(deferred), node, list(senders), list(summarised), **replay, **lo)
         S_in, M_local = node.S_in, node.M_local
         if q.is_cuda:  # made on the backend's exchange stream, read on this one from here on
             main = torch.cuda.current_stream(q.device)
@@ -242,7 +245,7 @@ def _cp_forward(ctx, q, k, v, g, beta, initial_state, plan: CPPlan, group, scale
     else:
         # 0. the local work that needs no entering state (a backend that can split it off), so
         #    that it runs while this rank waits for the others' summaries.
-        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep, **replay)
+        prepared = _prepare(backend, local, q, k, v, g, beta, plan, scale, keep=keep, **replay, **lo)
         S_in, M_local = entering_states(prepared)
 
     # 2. entering states of the local fragments, then (not pipelined) the local forward.

@@ -12,8 +12,9 @@ products) and kda_bwd_gate (gated products). The public op over both is kda_aot.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -21,7 +22,7 @@ from . import execute, fit
 from .plan import forward_plan
 from .. import options
 from .._runtime import registry
-from .._runtime.tensor import describe, out_or, stream_of
+from .._runtime.tensor import describe, host_table_to, out_or, stream_of
 from .._runtime.packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
@@ -226,21 +227,24 @@ def _pick_form(what: str, form, forms: tuple) -> str:
 
 
 def chunk_kda_prepare(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, save_tape=False, gate=None,
-                      beta_kind=BETA_PLAIN, keep=False, kept=None, final_state=False):
+                      beta_kind=BETA_PLAIN, keep=False, kept=None, final_state=False, final_segments=None):
     """The chunk-parallel forward stage alone (kda_fwd_chunk): returns the saved-context dict with
     W, U, Q e^Gamma, K e^(gamma - Gamma), Aqk, gamma (and (I + L)^-1 with save_tape), ready for
     chunk_kda_walk. It needs no entering state, so context parallelism runs it before the exchange.
-    beta_kind: one of BETA_KINDS; keep, kept, final_state: as _chunk_stage_tensors' (with final_state the
-    walk's final states are chunk_kda_fwd's; without, its end states are those the CP summaries take)."""
+    beta_kind: one of BETA_KINDS; keep, kept, final_state, final_segments: as _chunk_stage_tensors' (with
+    final_state the walk's final states are chunk_kda_fwd's; without, its end states are those the CP summaries
+    take)."""
     t = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, gate=gate,
-                             beta_kind=beta_kind, keep=keep, kept=kept, final_state=final_state)
+                             beta_kind=beta_kind, keep=keep, kept=kept, final_state=final_state,
+                             final_segments=final_segments)
     _launch_chunk_stage(t, initial_state)
     return t
 
 
 def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, out=None,
                          gate: Optional[GateActivation] = None, beta_kind: int = BETA_PLAIN, *, keep: bool = False,
-                         kept: Optional[dict] = None, final_state: bool = False) -> dict:
+                         kept: Optional[dict] = None, final_state: bool = False,
+                         final_segments: Optional[Sequence[int]] = None) -> dict:
     """Checked inputs and the chunk stage's outputs, allocated (nothing launched); `out` may hold a
     preallocated gamma; gate: the gate's activation (g the raw gate), beta_kind: beta's activation (beta the
     logits), both kept for the backward.
@@ -249,7 +253,9 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
     with save_tape): the replay's chunk stage, form `replay`, reading them; it writes (I + L)^-1 for kda_bwd_chunk
     and neither aqk nor aqk_diag_lo (only the forward walk's output stage reads the last).
     final_state (a forward that returns the final states): the stage also writes U's rounding error over each
-    segment's last chunk (u_lo_end, where end_segment says), which the walk adds to the final state."""
+    segment's last chunk (u_lo_end, where end_segment says), which the walk adds to the final state;
+    final_segments: those segments only (context parallelism: the fragments that end their document here; a
+    sender's end state is what another rank continues from)."""
     if beta_kind not in BETA_KINDS:
         raise ValueError(f"beta_kind: expected 0, 1 (sigmoid) or 2 (2 sigmoid), got {beta_kind}")
     if (keep and save_tape) or (kept is not None and not save_tape):
@@ -273,12 +279,23 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "gamma": out_or(out or {}, "gamma", lambda: torch.empty(C, H, HEAD_DIM, **f32)),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         **({"u_lo_end": torch.empty(tables.n_segments, CHUNK, H, HEAD_DIM, **bf16),
-            "end_segment": tables.end_segment} if final_state and kept is None else {}),
+            "end_segment": _end_segments(tables, final_segments)} if final_state and kept is None else {}),
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
         "beta_kind": beta_kind,
     }
+
+
+def _end_segments(tables, segments: Optional[Sequence[int]]) -> torch.Tensor:
+    """The pack's end_segment table, or it with only `segments` marked (the others' last chunks -1)."""
+    if segments is None:
+        return tables.end_segment
+    last = list(itertools.accumulate(tables.chain_lengths))
+    table = [-1] * last[-1] if last else []
+    for s in segments:
+        table[last[s] - 1] = s
+    return host_table_to(torch.tensor(table, dtype=torch.int32), tables.chunks.device)
 
 
 def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None = None, form: str = ""):
@@ -330,7 +347,14 @@ def chunk_kda_walk(prepared: dict, *, initial_state=None, output_final_state=Fal
     if not output_final_state:
         t.pop("u_lo_end", None)
     _launch_walk("kda_fwd_walk", t, prepared["chain_lengths"], H, t["scale"], v.device, walk_form, sm_count, pool)
-    return t["o"], t["final_state"], t
+    return t["o"], t["final_state"], _without_forward_only(t)
+
+
+def _without_forward_only(saved: dict) -> dict:
+    """A forward's saved context without what its walk alone reads (the last chunks' U rounding error)."""
+    for name in ("u_lo_end", "end_segment"):
+        saved.pop(name, None)
+    return saved
 
 
 def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
@@ -354,12 +378,8 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     # Tensors off the GPU take the plain order: its first launch refuses them with the binding's message.
     if not _pipeline_on(pipeline) or len(prepared["chain_lengths"]) < 2 or not _on_gpu(q):
         _launch_chunk_stage(prepared, initial_state)
-        o, final_state, saved = chunk_kda_walk(prepared, out=out, **walk_args)
-    else:
-        o, final_state, saved = _fwd_pipelined(prepared, out, **walk_args)
-    for name in ("u_lo_end", "end_segment"):  # the forward's alone: the backward does not hold them
-        saved.pop(name, None)
-    return o, final_state, saved
+        return chunk_kda_walk(prepared, out=out, **walk_args)
+    return _fwd_pipelined(prepared, out, **walk_args)
 
 
 def _on_gpu(x) -> bool:
@@ -400,14 +420,14 @@ def _fwd_pipelined(prepared: dict, out, *, initial_state, output_final_state, sa
     buffers = {"initial_state": initial_state, "final_state": full["final_state"], **handoff}
     execute.run(plan, execute.Call(prepared, buffers, full, save_tape=save_tape, want_output=want_output,
                                    walk_form=walk_form, piece_chunks=piece_chunks, exchange=exchange))
-    saved = dict(prepared, initial_state=initial_state, **full)
+    saved = _without_forward_only(dict(prepared, initial_state=initial_state, **full))
     if not save_tape:
         saved["akk_inv"] = None
     return full["o"], full["final_state"], saved
 
 
 def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, deferred, exchange, save_tape,
-                           senders=(), exchange_beside=False, summarised=None, keep=False):
+                           senders=(), exchange_beside=False, summarised=None, keep=False, final_segments=()):
     """The pipelined forward (output and final states) for context parallelism: the chunk stage a
     segment group at a time, the walks of the segments whose entering state is known here
     (initial_state's rows; the `deferred` rows are not read) beside it, the `senders` segments first;
@@ -418,8 +438,10 @@ def chunk_kda_fwd_deferred(q, k, v, g, beta, *, cu_seqlens, scale, initial_state
     exchange_beside, summarised: see _fwd_pipelined (the tensors the exchange makes are then made on that
     stream; summarised: the deferred segments it reads the chunk stage of, default all).
     Returns (o, final_state [N, H, 128, 128], saved); every segment's walk is the plain one: bitwise.
-    keep: saved also holds what the replay reads back (_chunk_stage_tensors)."""
-    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, keep=keep)
+    keep: saved also holds what the replay reads back (_chunk_stage_tensors). final_segments: the segments whose
+    final state is an output (they carry their last chunk's U rounding error: _chunk_stage_tensors)."""
+    prepared = _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, save_tape, keep=keep,
+                                    final_state=bool(final_segments), final_segments=tuple(final_segments))
     o, final, saved = _fwd_pipelined(prepared, None, initial_state=initial_state, output_final_state=True,
                                      save_tape=save_tape, walk_form=None, want_output=True, deferred=deferred,
                                      exchange=exchange, senders=senders, exchange_beside=exchange_beside,
@@ -445,8 +467,8 @@ def piece_view(prepared: dict, segment: int, chunks: torch.Tensor, bounds, p: in
     state."""
     t = dict(segments_view(prepared, segment, segment + 1), seg_chunks=chunks[p:p + 2],
              chain_lengths=(bounds[p + 1] - bounds[p],))
-    if p + 2 < len(bounds):  # U's rounding error goes into the segment's final state, not a piece's end state
-        t.pop("u_lo_end", None)
+    if p + 2 < len(bounds):  # its end is no segment's (end_segment -1 there), and the chunk stage of the
+        t.pop("u_lo_end", None)  # pieces after it, beside which it runs, writes the segment's row
     return t
 
 

@@ -84,7 +84,8 @@ struct KdaFwdArgs {
   uint16_t* u_lo_end;           // [N, 64, H, 128] bf16 or null: U - bf16(U) over the last chunk of each segment (rows
                                 //                    below its length; kda_fwd_chunk writes it, the walk adds
                                 //                    Kg^T of it to the final state: docs/numerics.md)
-  const int32_t* end_segment;   // [n_chunks] int32: the segment a chunk is the last of, or -1 (with u_lo_end)
+  const int32_t* end_segment;   // [n_chunks] int32: the segment a chunk is the last of, or -1 (with u_lo_end:
+                                //                    -1 also where that segment's final state takes no tile)
   float* transfer;              // kcp_transfer output: [N, H, 128, 128] fp32 M = A_n ... A_1 per segment
   float* tape;                  // [n_chunks, H, 128, 128] fp32 state at each chunk start, or null
   uint16_t* vnew;               // [T, H, 128] bf16 V' = U - W S, or null (both kept for the saved backward)
