@@ -110,9 +110,10 @@ def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
     gives it) with A_log and dt_bias, activated by chunk_kda (use_gate_in_kernel), beta as logits
     (use_beta_sigmoid_in_kernel) - against the same step on the activated gate and beta given (arm
     kda_aot, the step of the rows above, the activations not timed) and on the activations run as torch
-    operations inside the step (arm kda_aot/torch-gate, what a caller without the flags runs); FLA's same
-    call beside when installed. Rows: boundary "gate", arms kda_aot (precomputed), kda_aot/gate,
-    kda_aot/torch-gate, fla/gate."""
+    operations inside the step (arm kda_aot/torch-gate, what a caller without the flags runs) and by FLA's
+    fused_kda_gate kernels (arm kda_aot/fla-gate, beta given as in the precomputed arm); FLA's same call beside
+    when installed. Rows: boundary "gate", arms kda_aot (precomputed), kda_aot/gate, kda_aot/torch-gate,
+    kda_aot/fla-gate, fla/gate."""
     raw, a_log, dt_bias, logits = (x.requires_grad_() for x in fla_gate_inputs(q.shape[1], H))
     with torch.no_grad():
         g_act = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, HEAD_DIM))
@@ -131,6 +132,11 @@ def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
             "kda_aot/gate": _fwdbwd(lambda: chunk_kda(*leaves, raw, logits, A_log=a_log, dt_bias=dt_bias,
                                                       cu_seqlens=cu_host, **flags)[0], leaves + gated, do)}
     if fla is not None:
+        from fla.ops.kda.gate import fused_kda_gate  # FLA's own gate kernels (Triton, forward and backward)
+
+        def fla_gate():  # the precomputed-g path at its fastest: FLA's gate kernel, then the step on its fp32 g
+            return chunk_kda(*leaves, fused_kda_gate(raw, a_log, dt_bias), pre[1], cu_seqlens=cu_host)[0]
+        arms["kda_aot/fla-gate"] = _fwdbwd(fla_gate, leaves + gated + pre[1:], do)
         arms["fla/gate"] = _fwdbwd(lambda: fla(*leaves, raw, logits, A_log=a_log, dt_bias=dt_bias, cu_seqlens=cu64,
                                                **flags)[0], leaves + gated, do)
     rows = _rows(pack, H, "gate", "replay", *_measure(arms, iters))
