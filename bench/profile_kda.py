@@ -5,7 +5,7 @@ replay and backward kernels) on one pack (torch.profiler), to place the time.
 
 call: "log_decay" (g the log decay, beta given: the single benchmark's step) or "fla_layer" (FLA's layer
 call: the raw bf16 gate with A_log and dt_bias activated in the kernels, beta as bf16 logits, q and k
-L2-normalised in the call)."""
+L2-normalised in the call) or "gate" (that call without the norm: against log_decay, the activations' cost)."""
 import sys
 
 import torch

@@ -90,16 +90,17 @@ def training_call(q, k, v, g, beta, call: str, backward: str = "replay") -> tupl
     """(leaves, keywords) of a training step's chunk_kda call, `chunk_kda(*leaves[:5], cu_seqlens=.., **keywords)`,
     the leaves fresh copies that require grad: "log_decay" (g the log decay and beta given, `backward` mode) or
     "fla_layer" (the call FLA's layer makes: a fresh raw bf16 gate with A_log and dt_bias and beta's logits
-    activated in the kernels, q and k L2-normalised in the call, the replay backward)."""
+    activated in the kernels, q and k L2-normalised in the call, the replay backward) or "gate" (the same
+    activations in the kernels, q and k as given: the log_decay step but for the gate and beta)."""
     kw = dict(backward=backward)
-    if call == "fla_layer":
+    if call in ("fla_layer", "gate"):
         g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], v.shape[2])
-        kw = dict(backward="replay", use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        kw = dict(backward="replay", use_qk_l2norm_in_kernel=call == "fla_layer", use_gate_in_kernel=True,
                   use_beta_sigmoid_in_kernel=True)
     elif call != "log_decay":
-        raise ValueError(f"call: expected log_decay or fla_layer, got {call!r}")
+        raise ValueError(f"call: expected log_decay, gate or fla_layer, got {call!r}")
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
-    if call == "fla_layer":
+    if call in ("fla_layer", "gate"):
         leaves += [a_log.requires_grad_(), dt_bias.requires_grad_()]
         kw.update(A_log=leaves[5], dt_bias=leaves[6])
     return leaves, kw
