@@ -2,6 +2,7 @@
 kernel change between two trees (bench/patch_ab.sh's `cmd` step reads the `timing` lines):
 
     replay     chunk_kda on the log decay and beta given, backward="replay" (the single suite's step)
+    gate       the same step with the raw bf16 gate (A_log, dt_bias) and beta's logits activated in the kernels
     fla_layer  the call FLA's KimiDeltaAttention layer makes: the raw bf16 gate with A_log and dt_bias and beta's
                logits activated in the kernels, q and k L2-normalised in the call (its replay backward)
 
@@ -10,7 +11,7 @@ medians of --iters, fresh random inputs each run; prints `timing PACK CALL MS PE
 `busy_start PACK CALL MS`: the same step with the GPU kept busy while the host issues it (the difference is the
 host time an idle GPU waits for).
 
-    python3 bench/step_time.py [--pack Q1,Q2 | all] [--calls replay,fla_layer] [--iters 10] [--heads 32] [--busy-start]
+    python3 bench/step_time.py [--pack Q1,Q2 | all] [--calls replay,gate,fla_layer] [--iters 10] [--heads 32] [--busy-start]
 """
 import argparse
 
@@ -21,7 +22,7 @@ from bench.packs import PACKS
 from bench.single import inputs, training_call
 from kda_aot import chunk_kda
 
-CALLS = ("replay", "fla_layer")
+CALLS = ("replay", "gate", "fla_layer")
 
 
 def step_of(call: str, pack: str, H: int):

@@ -11,8 +11,9 @@ import torch
 from conftest import SEED, gpu
 from kda_aot import reference
 from kda_aot.reference import chunked as ref_chunked, kda as ref_kda
-from kda_aot.schedule.kda import chunk_kda_fwd
-from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
+from kda_aot.schedule.kda import GATE_SIGMOID, GATE_SOFTPLUS, GateActivation, chunk_kda_fwd
+from kda_aot.schedule.backward import (chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk,
+                                      gate_parameter_grads)
 from test_kda_fwd_gpu import CHAIN_PACKS, PACKS, REL, make, poisoned, rel_rms, require_form, rng
 
 pytestmark = gpu
@@ -222,23 +223,39 @@ def test_replay_keeps_no_per_chunk_tensors():
     assert kept <= o.numel() * o.element_size() + ht.numel() * ht.element_size() + kept_for_replay + (1 << 20), kept
 
 
-def test_gate_forms_match_shipped():
-    """The test-only kda_bwd_gate/full (one CTA over all 128 channels) against the shipped split_staged (two
-    over 64 each): dq, dk, dv, dg and dh0 bitwise equal (the same operands in the same mma chains and the
-    same _rn elementwise sequence); dbeta within fp32 rounding (two channel halves summed in Python vs one
-    in-kernel sum)."""
+@pytest.mark.parametrize("activation", ["none", "softplus-bf16", "softplus-fp32", "sigmoid-bf16"])
+def test_gate_forms_match_shipped(activation):
+    """The test-only kda_bwd_gate/full (one CTA over all 128 channels; the last loop forms the activation's
+    derivatives itself) against the shipped split_staged (two over 64 each; the threads the serial sums leave
+    idle form them beside the sums): dq, dk, dv, dg and dh0 bitwise equal (the same operands in the same mma
+    chains and the same _rn elementwise sequence); dbeta, and with the gate's activation the parts of dA_log and
+    ddt_bias, within fp32 rounding (channel halves and thread parts summed in another order)."""
     form = "full"
     require_form("kda_bwd_gate", form)
     lens, H = PACKS["edges"], 3
-    q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("gate-forms", form)), True)
-    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+    q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng(("gate-forms", form, activation)), True)
+    gate = None
+    if activation != "none":
+        gen = rng(("gate-forms-activation", activation))
+        kind, dtype = activation.split("-")
+        g = (torch.randn(g.shape, device="cuda", generator=gen) * 4).to(getattr(torch, {"bf16": "bfloat16",
+                                                                                     "fp32": "float32"}[dtype]))
+        dt_bias = torch.randn(H, 128, device="cuda", generator=gen)
+        gate = (GateActivation(GATE_SOFTPLUS, torch.randn(H, device="cuda", generator=gen) + 1, dt_bias)
+                if kind == "softplus" else GateActivation(GATE_SIGMOID, torch.randn(H, device="cuda", generator=gen),
+                                                          dt_bias, -3.0))
+    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True, gate=gate)
     dout = torch.randn(q.shape, device="cuda", generator=rng(("gate-forms-do", form))).to(torch.bfloat16)
-    a = chunk_kda_bwd(saved, dout, gate_form="split_staged")
-    b = chunk_kda_bwd(saved, dout, gate_form=form)
+    a = chunk_kda_bwd(dict(saved), dout, gate_form="split_staged")
+    b = chunk_kda_bwd(dict(saved), dout, gate_form=form)
     for name, x, y in zip(("dq", "dk", "dv", "dg"), a[:4], b[:4]):
         assert torch.equal(x, y), name
     assert torch.equal(a[5], b[5])
     assert rel_rms(b[4].cpu(), a[4].cpu().double()) < 1e-6
+    if gate is not None:
+        for name, x, y in zip(("dA_log", "ddt_bias"), gate_parameter_grads(*a[6:8]), gate_parameter_grads(*b[6:8])):
+            # sums of ~10^4 terms of both signs per head in another order: ~sqrt(n) 2^-24 relative, not 1e-6
+            assert torch.isfinite(x).all() and rel_rms(y.cpu(), x.cpu().double()) < 1e-5, name
 
 
 @pytest.mark.parametrize("chains", list(CHAIN_PACKS))
