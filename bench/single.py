@@ -91,7 +91,8 @@ def training_call(q, k, v, g, beta, call: str, backward: str = "replay") -> tupl
     the leaves fresh copies that require grad: "log_decay" (g the log decay and beta given, `backward` mode) or
     "fla_layer" (the call FLA's layer makes: a fresh raw bf16 gate with A_log and dt_bias and beta's logits
     activated in the kernels, q and k L2-normalised in the call, the replay backward) or "gate" (the same
-    activations in the kernels, q and k as given: the log_decay step but for the gate and beta)."""
+    activations in the kernels and the replay backward, q and k as given). The log_decay call's g is uniform in
+    [-5, 0], the activated gate is not: per-kernel times of the two calls differ by the gate's values too."""
     kw = dict(backward=backward)
     if call in ("fla_layer", "gate"):
         g, a_log, dt_bias, beta = fla_gate_inputs(q.shape[1], v.shape[2])
@@ -112,8 +113,8 @@ def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
     (use_beta_sigmoid_in_kernel) - against the same step on the activated gate and beta given (arm
     kda_aot, the step of the rows above, the activations not timed) and on the activations run as torch
     operations inside the step (arm kda_aot/torch-gate, what a caller without the flags runs) and by FLA's
-    fused_kda_gate kernels (arm kda_aot/fla-gate, beta given as in the precomputed arm); FLA's same call beside
-    when installed. Rows: boundary "gate", arms kda_aot (precomputed), kda_aot/gate, kda_aot/torch-gate,
+    fused_kda_gate kernels (arm kda_aot/fla-gate, beta given as in the precomputed arm); both FLA arms only when
+    FLA is installed and not left out (--no-fla): kda_aot/fla-gate and FLA's same call. Rows: boundary "gate", arms kda_aot (precomputed), kda_aot/gate, kda_aot/torch-gate,
     kda_aot/fla-gate, fla/gate."""
     raw, a_log, dt_bias, logits = (x.requires_grad_() for x in fla_gate_inputs(q.shape[1], H))
     with torch.no_grad():
