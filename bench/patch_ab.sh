@@ -9,6 +9,8 @@
 #     cmd       AB_CMD (a command line run from a tree's root, e.g. "python3 bench/profile_kda.py Q1 32
 #               fla_layer") in A B A B, each capped by CMD_S (default 60 s), logs cmd_{A,B}_{1,2}.log
 #     bcmd      AB_CMD on B alone (when the command carries its own baseline), log cmd_B.log
+#     bits      bench/bits.py's fixed-seed calls saved in A and in B and compared: a change that claims every
+#               output bitwise unchanged (log bits.log)
 # Logs and rows come back under $OUT (logs.tgz, *.jsonl), with Triton's cache (device_env.sh).
 # Usage: PATCH=docs/wip/x.patch STEPS="tests sanitize timing" TESTS="tests/..." bash bench/patch_ab.sh
 # (PATCH="a.patch b.patch": B has each applied, in that order)
@@ -64,6 +66,11 @@ for step in ${STEPS:-tests sanitize timing}; do
     bcmd)
       in_tree "$B" "${CMD_S:-60}" "$W/cmd_B.log" "$AB_CMD"
       stamp "cmd B: rc $? $(tail -4 "$W/cmd_B.log" | tr '\n' ' ')" ;;
+    bits)
+      in_tree "$A" 120 "$W/bits_A.log" "python3 bench/bits.py save /tmp/bits_A.pt"
+      in_tree "$B" 120 "$W/bits_B.log" "python3 bench/bits.py save /tmp/bits_B.pt"
+      in_tree "$B" 60 "$W/bits.log" "python3 bench/bits.py compare /tmp/bits_A.pt /tmp/bits_B.pt"
+      stamp "bits: rc $? $(tail -1 "$W/bits.log")" ;;
     numerics)
       in_tree "$B" "${NUMERICS_S:-300}" "$W/numerics_B.log" "python3 bench/numerics.py --out $W ${NUMERICS_ARGS:-}"
       stamp "numerics B: $(tail -3 "$W/numerics_B.log" | tr '\n' ' ')" ;;

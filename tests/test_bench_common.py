@@ -1,4 +1,6 @@
 """The benchmarks' interleaving (CPU): every arm once per round, the order reversed every other round."""
+import torch
+
 from bench.common import round_order
 
 
@@ -15,3 +17,24 @@ def test_round_order_alternates_and_covers_every_arm():
         before_a = {x: a[j - 1] if j else None for j, x in enumerate(a)}
         before_b = {x: b[j - 1] if j else None for j, x in enumerate(b)}
         assert all(before_a[x] != before_b[x] or before_a[x] is None for x in arms)
+
+
+def test_bits_compare_sees_one_flipped_bit_and_not_nan_or_zero_signs(tmp_path, capsys):
+    """bench/bits.py, the check of a bitwise-claimed change: equal saves compare equal even with NaN and -0 (bits,
+    not values), and one flipped low bit of one bf16 element is named."""
+    from bench.bits import compare
+    x = torch.tensor([1.0, float("nan"), -0.0, 3.0])
+    y = x.to(torch.bfloat16)
+    a = {"case/replay": {"dg": x.clone(), "dq": y.clone()}}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(a, tmp_path / "b.pt")
+    assert compare(tmp_path / "a.pt", tmp_path / "b.pt") == 0
+    flipped = y.clone()
+    flipped.view(torch.int16)[3] ^= 1
+    torch.save({"case/replay": {"dg": x.clone(), "dq": flipped}}, tmp_path / "c.pt")
+    assert compare(tmp_path / "a.pt", tmp_path / "c.pt") == 1
+    assert "differ: case/replay/dq" in capsys.readouterr().out
+    zero_sign = x.clone()
+    zero_sign[2] = 0.0
+    torch.save({"case/replay": {"dg": zero_sign, "dq": y.clone()}}, tmp_path / "d.pt")
+    assert compare(tmp_path / "a.pt", tmp_path / "d.pt") == 1
