@@ -5,9 +5,10 @@ was (two trees, one GPU: bench/patch_ab.sh's `bits` step):
     python3 bench/bits.py compare A B     which tensors differ between two saves (exit 1 if any does)
 
 The calls: chunk_kda through autograd on a small pack (documents 1, 63, 64, 65, 130, 700 and 2 tokens, H = 4), with
-an initial state and final-state gradients, both backward modes, on the log decay and on raw gates activated in
-the kernels (softplus of a bf16 and of an fp32 raw gate, sigmoid with lower_bound, beta's logits). The inputs
-are fixed (seeded), not fresh: the same tensors must reach both trees.
+an initial state and final-state gradients, both backward modes, on the log decay (some of it below the kernels'
+floor, one reset) and on raw gates activated in the kernels (softplus of a bf16 and of an fp32 raw gate, sigmoid
+with lower_bound on a bf16 raw gate and on an fp32 one without A_log and dt_bias, beta's logits in bf16 and fp32).
+The inputs are fixed (seeded), not fresh: the same tensors must reach both trees.
 """
 import sys
 
@@ -33,6 +34,8 @@ def _calls():
     h0 = randn(N, H, D, D, scale=0.1)
     do, dht = randn(1, T, H, D).to(torch.bfloat16), randn(N, H, D, D, scale=0.1)
     log_decay = -5 * torch.rand(1, T, H, D, device="cuda", generator=gen)
+    log_decay[..., :16] *= 8  # a slice below the kernels' floor of -20, and a reset
+    log_decay[0, 100, 1, 3] = float("-inf")
     beta = torch.rand(1, T, H, device="cuda", generator=gen).to(torch.bfloat16)
     raw, logits = randn(1, T, H, D, scale=4), randn(1, T, H)
     a_log, dt_bias = randn(H) + 1, randn(H * D)
@@ -44,6 +47,7 @@ def _calls():
                                             allow_neg_eigval=True, A_log=a_log, dt_bias=dt_bias)),
         "sigmoid_bf16": (raw.to(torch.bfloat16), beta, dict(use_gate_in_kernel=True, safe_gate=True,
                                                             lower_bound=-3.0, A_log=a_log, dt_bias=dt_bias)),
+        "sigmoid_fp32_no_a_log": (raw, beta, dict(use_gate_in_kernel=True, lower_bound=-5.0)),
     }
     for name, (g, b, kw) in cases.items():
         for mode in ("replay", "saved"):
