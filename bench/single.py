@@ -113,9 +113,9 @@ def _gate_rows(pack, H, q, k, v, beta, cu_host, cu64, fla, iters) -> list:
     (use_beta_sigmoid_in_kernel) - against the same step on the activated gate and beta given (arm
     kda_aot, the step of the rows above, the activations not timed) and on the activations run as torch
     operations inside the step (arm kda_aot/torch-gate, what a caller without the flags runs) and by FLA's
-    fused_kda_gate kernels (arm kda_aot/fla-gate, beta given as in the precomputed arm); both FLA arms only when
-    FLA is installed and not left out (--no-fla): kda_aot/fla-gate and FLA's same call. Rows: boundary "gate", arms kda_aot (precomputed), kda_aot/gate, kda_aot/torch-gate,
-    kda_aot/fla-gate, fla/gate."""
+    fused_kda_gate kernels (arm kda_aot/fla-gate, beta given as in the precomputed arm); both FLA arms, that one
+    and FLA's same call, only when FLA is installed and not left out (--no-fla). Rows: boundary "gate", arms
+    kda_aot (precomputed), kda_aot/gate, kda_aot/torch-gate, kda_aot/fla-gate, fla/gate."""
     raw, a_log, dt_bias, logits = (x.requires_grad_() for x in fla_gate_inputs(q.shape[1], H))
     with torch.no_grad():
         g_act = -a_log.exp()[:, None] * F.softplus(raw.float() + dt_bias.view(H, HEAD_DIM))

@@ -10,12 +10,13 @@ on the same pack copy nothing — pass `cu_seqlens` on the CPU and a step launch
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .tensor import check_cu_seqlens
+from .tensor import check_cu_seqlens, host_table_to
 
 CHUNK = 64  # tokens per chunk; a chunk never crosses a segment, a segment's last chunk may be short
 
@@ -60,6 +61,14 @@ def chunk_table(cu: list[int]) -> tuple[list[int], list[int]]:
     return chunks, seg_chunks
 
 
+def end_segment_table(seg_chunks: list[int], segments=None) -> list[int]:
+    """[n_chunks]: the segment whose last chunk a chunk is (of `segments` only, when given), else -1."""
+    table = [-1] * seg_chunks[-1]
+    for n in range(len(seg_chunks) - 1) if segments is None else segments:
+        table[seg_chunks[n + 1] - 1] = n
+    return table
+
+
 @dataclass(frozen=True, eq=False)
 class PackTables:
     """The tables of a pack's non-empty documents (the kernels' segments: a zero-length document has no
@@ -81,6 +90,18 @@ class PackTables:
     def chain_lengths(self) -> tuple:
         """Chunks of each segment: the lengths of the state-walk chains (per head)."""
         return tuple(-(-(e - s) // CHUNK) for s, e in zip(self.bounds[:-1], self.bounds[1:]))
+
+    def end_segment_of(self, segments: tuple) -> torch.Tensor:
+        """end_segment with only `segments` marked (the others' last chunks -1), made once per segment set."""
+        if segments not in self._end_segment_tables:
+            seg_chunks = [0, *itertools.accumulate(self.chain_lengths)]
+            self._end_segment_tables[segments] = host_table_to(
+                torch.tensor(end_segment_table(seg_chunks, segments), dtype=torch.int32), self.chunks.device)
+        return self._end_segment_tables[segments]
+
+    @functools.cached_property
+    def _end_segment_tables(self) -> dict:
+        return {}
 
     def segment_rows(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """Rows of a per-document tensor ([n_docs, ...]) for the segments ([n_segments, ...]); x itself when
@@ -104,11 +125,8 @@ def _tables(doc_bounds: tuple, device: torch.device) -> PackTables:
     chunks, seg_chunks = chunk_table(list(bounds))
     as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device)  # noqa: E731
     kept_index = None if len(kept) == len(doc_bounds) - 1 else torch.tensor(kept, dtype=torch.int64).to(device)
-    end_segment = [-1] * (len(chunks) // 2)
-    for n, end in enumerate(seg_chunks[1:]):
-        end_segment[end - 1] = n
     return PackTables(bounds, as_i32(list(bounds)), as_i32(chunks).view(-1, 2), as_i32(seg_chunks),
-                      len(doc_bounds) - 1, kept, kept_index, as_i32(end_segment))
+                      len(doc_bounds) - 1, kept, kept_index, as_i32(end_segment_table(seg_chunks)))
 
 
 def pack_tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> PackTables:

@@ -12,7 +12,6 @@ products) and kda_bwd_gate (gated products). The public op over both is kda_aot.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -22,7 +21,7 @@ from . import execute, fit
 from .plan import forward_plan
 from .. import options
 from .._runtime import registry
-from .._runtime.tensor import describe, host_table_to, out_or, stream_of
+from .._runtime.tensor import describe, out_or, stream_of
 from .._runtime.packing import CHUNK, PackTables, pack_tables
 
 HEAD_DIM = 128
@@ -279,23 +278,13 @@ def _chunk_stage_tensors(q, k, v, g, beta, cu_seqlens, scale, initial_state, sav
         "gamma": out_or(out or {}, "gamma", lambda: torch.empty(C, H, HEAD_DIM, **f32)),
         "akk_inv": torch.empty(1, T, H, CHUNK, **bf16) if save_tape else None,
         **({"u_lo_end": torch.empty(tables.n_segments, CHUNK, H, HEAD_DIM, **bf16),
-            "end_segment": _end_segments(tables, final_segments)} if final_state and kept is None else {}),
+            "end_segment": tables.end_segment if final_segments is None else tables.end_segment_of(
+                tuple(final_segments))} if final_state and kept is None else {}),
         "scale": HEAD_DIM ** -0.5 if scale is None else float(scale),  # the backward reads it from here
         "chain_lengths": tables.chain_lengths,  # the walks' fit rule
         "gate": gate,
         "beta_kind": beta_kind,
     }
-
-
-def _end_segments(tables, segments: Optional[Sequence[int]]) -> torch.Tensor:
-    """The pack's end_segment table, or it with only `segments` marked (the others' last chunks -1)."""
-    if segments is None:
-        return tables.end_segment
-    last = list(itertools.accumulate(tables.chain_lengths))
-    table = [-1] * last[-1] if last else []
-    for s in segments:
-        table[last[s] - 1] = s
-    return host_table_to(torch.tensor(table, dtype=torch.int32), tables.chunks.device)
 
 
 def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None = None, form: str = ""):
