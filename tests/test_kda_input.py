@@ -369,7 +369,7 @@ def test_u_rounding_error_goes_to_the_final_states_that_are_outputs():
     """The forward's u_lo_end (one row per segment) follows the walk's views, narrowed with the segments and
     pieces; end_segment says which last chunks carry it: every segment's (one GPU) or the listed ones (context
     parallelism: the fragments that end their document here), never a piece's inner end."""
-    from kda_aot.schedule.kda import _end_segments, piece_view, segments_view
+    from kda_aot.schedule.kda import piece_view, segments_view
     lo = torch.arange(4).view(4, 1)
     prepared = {"seg_chunks": torch.tensor([0, 1, 5, 6, 9]), "chain_lengths": (1, 4, 1, 3), "u_lo_end": lo}
     assert segments_view(prepared, 1, 3)["u_lo_end"].flatten().tolist() == [1, 2]
@@ -379,6 +379,7 @@ def test_u_rounding_error_goes_to_the_final_states_that_are_outputs():
     assert piece_view(prepared, 1, chunks, bounds, 1)["u_lo_end"].flatten().tolist() == [1]
     assert "u_lo_end" not in segments_view({k: v for k, v in prepared.items() if k != "u_lo_end"}, 0, 2)
     tables = pack_tables(torch.tensor([0, 1, 65, 130, 259]), 259, DEV)
-    assert _end_segments(tables, None) is tables.end_segment
-    assert _end_segments(tables, (1, 3)).cpu().tolist() == [-1, 1, -1, -1, -1, -1, 3]
-    assert _end_segments(tables, ()).cpu().tolist() == [-1] * 7
+    assert tables.end_segment.cpu().tolist() == tables.end_segment_of((0, 1, 2, 3)).cpu().tolist()
+    assert tables.end_segment_of((1, 3)).cpu().tolist() == [-1, 1, -1, -1, -1, -1, 3]
+    assert tables.end_segment_of((1, 3)) is tables.end_segment_of((1, 3))  # made once per segment set
+    assert tables.end_segment_of(()).cpu().tolist() == [-1] * 7
