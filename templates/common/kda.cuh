@@ -22,7 +22,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // The gate as every program sums it: at least -kGateFloor (g = -inf, a reset, becomes finite); NaN stays NaN.
 __device__ __forceinline__ float floored_gate(float g) { return g < -kGateFloor ? -kGateFloor : g; }
 
-// The gate's activation of one (head, channel), in hardware ex2 / lg2 / div.approx (libm's expf and log1pf
+// The gate's activation of one (head, channel), in hardware ex2 / lg2 / rcp.approx (libm's expf and log1pf
 // are slower over a pack's every gate value: docs/forward.md): every operation an approx op or an _rn intrinsic, so
 // that the programs that form it (kda_fwd_chunk, kda_bwd_gate) get the same bits. Errors: sigmoid 1-3e-7
 // absolute; softplus ~1e-7 absolute for small z, about an ulp of itself above z ~ 2 (both against fp64):
@@ -44,6 +44,11 @@ __device__ __forceinline__ GateChannel gate_channel(const KdaGate& gate, int64_t
 }
 
 constexpr float kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float lg2_approx(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -59,7 +64,9 @@ __device__ __forceinline__ SoftplusSigmoid softplus_sigmoid(float z) {
   const float e = exp2_approx(__fmul_rn(-fabsf(z), kLog2e)), one_e = __fadd_rn(1.f, e);
   SoftplusSigmoid r;
   r.softplus = __fadd_rn(fmaxf(z, 0.f), __fmul_rn(lg2_approx(one_e), kLn2));
-  r.sigmoid = __fdividef(z >= 0.f ? 1.f : e, one_e);
+  // x / (1 + e) as the reciprocal's product: __fdividef's bits (1 + e is in [1, 2], never in its scaled ranges)
+  // without its three range-check instructions
+  r.sigmoid = __fmul_rn(rcp_approx(one_e), z >= 0.f ? 1.f : e);
   return r;
 }
 
@@ -201,6 +208,18 @@ __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
 }  // namespace kda
 
 namespace kda {
+
+// *p = v where pred: a predicated store (an unrolled loop's `if (pred) *p = v` became a branch around each
+// store). No memory clobber: for outputs the kernel does not read back. st.global on a generic pointer: on sm_90
+// a global address is the same in both spaces.
+__device__ __forceinline__ void store_if(bool pred, uint16_t* p, uint16_t v) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.u32 q, %0, 0;\n @q st.global.u16 [%1], %2;\n}" ::"r"(
+                   static_cast<unsigned>(pred)), "l"(p), "h"(v));
+}
+__device__ __forceinline__ void store_if(bool pred, float* p, float v) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.u32 q, %0, 0;\n @q st.global.f32 [%1], %2;\n}" ::"r"(
+                   static_cast<unsigned>(pred)), "l"(p), "f"(v));
+}
 
 // 16-byte global -> shared copy on the async path; `valid = false` writes zeros instead.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
