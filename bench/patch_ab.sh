@@ -71,7 +71,7 @@ for step in ${STEPS:-tests sanitize timing}; do
       in_tree "$A" 120 "$W/bits_A.log" "python3 bench/bits.py save /tmp/bits_A.pt" &&
         in_tree "$B" 120 "$W/bits_B.log" "python3 bench/bits.py save /tmp/bits_B.pt" &&
         in_tree "$B" 60 "$W/bits.log" "python3 bench/bits.py compare /tmp/bits_A.pt /tmp/bits_B.pt"
-      stamp "bits: rc $? $(tail -1 "$W"/bits*.log | tr '\n' ' ')" ;;
+      stamp "bits: rc $? $(tail -q -n 1 "$W"/bits*.log | tr '\n' ' ')" ;;
     numerics)
       in_tree "$B" "${NUMERICS_S:-300}" "$W/numerics_B.log" "python3 bench/numerics.py --out $W ${NUMERICS_ARGS:-}"
       stamp "numerics B: $(tail -3 "$W/numerics_B.log" | tr '\n' ' ')" ;;
