@@ -198,7 +198,11 @@ def test_unserved_arguments_raise(reference_op):
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True, lower_bound=0.0), ValueError,
               r"lower_bound: must lie in \[-5, 0\)"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], lower_bound=0.5), ValueError,
-              r"lower_bound: must be < 0"),
+              r"lower_bound: must be a finite number < 0"),
+             (dict(use_gate_in_kernel=True, lower_bound=float("-inf")), ValueError,
+              r"lower_bound: must be a finite number < 0 .*got -inf"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"], lower_bound=float("nan")), ValueError,
+              r"lower_bound: must be a finite number < 0 .*got nan"),
              (dict(backward="checkpoint"), ValueError, "backward: expected one of"),
              (dict(state_v_first=True, initial_state=torch.zeros(1, 2, D, 64)), ValueError,
               r"initial_state: expected shape \[N, 2, 128, 128\] \(\[N, HV, V, K\] with state_v_first=True\), "

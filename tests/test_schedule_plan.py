@@ -137,6 +137,13 @@ def test_explain_command_refuses_what_chunk_kda_would(args, message):
     assert run.returncode == 2 and message in run.stderr, run.stderr
 
 
+def test_explain_command_names_bad_lengths():
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "kda_aot.schedule", "--explain", "100,-5", "4"], cwd=root,
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "'100,-5': document lengths must be >= 0" in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "doc_zigzag"])
 @pytest.mark.parametrize("pack", ["Q1", "Q2", "Q3", "Q4", "Q5", "Q6"])

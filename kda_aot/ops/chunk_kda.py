@@ -104,6 +104,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     as FLA's default keeps its Aqk and Akk) and reruns the rest of the forward kernels in the backward (a
     head group at a time when memory is short); "saved" keeps the tape and the chunk intermediates,
     as FLA's disable_recompute=True. The two give bitwise equal gradients.
+    transpose_state_layout: FLA's deprecated name of state_v_first (a DeprecationWarning; not both).
     Not served, with an error naming them: cp_context (kda_aot.cp.chunk_kda_cp is the context-parallel
     op), return_intermediate_states, use_graph (our ops capture in CUDA graphs as they are), chunk sizes
     other than 64, head dims other than 128."""

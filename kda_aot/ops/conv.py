@@ -26,6 +26,9 @@ def _check(x, weight, bias, halo, cu_seqlens):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x: expected shape [1, T, D], got {list(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):  # any float: the kernels take them widened to fp32
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating-point dtype (float32, bfloat16, ...), got {t.dtype}")
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device} but x is on {x.device}")
@@ -157,7 +160,8 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        cu_seqlens: torch.Tensor, halo: torch.Tensor | None = None, l2norm: bool = False) -> torch.Tensor:
     """silu(causal_conv1d(x)) over packed documents, differentiable in x, weight, bias and halo.
 
-    x: [1, T, D] bf16 (D a multiple of 8), weight: [D, 4], bias: [D] or None,
+    x: [1, T, D] bf16 (D a multiple of 8), weight: [D, 4] and bias: [D] or None, any float dtype (widened to
+    fp32 for the kernels; their gradients come back in their own dtypes),
     cu_seqlens: int32/int64 [N + 1] document boundaries, on the CPU (no host sync: what a CUDA
     graph capture needs) or x's device, halo: [N, 3, D] bf16 or None (the 3
     tokens before each segment; zeros where a segment starts its document). Returns y [1, T, D] bf16.

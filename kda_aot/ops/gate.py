@@ -12,6 +12,7 @@ runs as the torch operations here, before the KDA op. beta's activation runs ins
 kda_aot.chunk_kda (kernel_beta: every program that reads beta forms it from the logits); under context
 parallelism as the torch operation here (beta_sigmoid).
 """
+import math
 from typing import Optional
 
 import torch
@@ -50,9 +51,10 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
             raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
         if safe_gate and not -5 <= lower_bound < 0:
             raise ValueError(f"lower_bound: must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
-        if not lower_bound < 0:  # the gate lower_bound * sigmoid(..) is a log decay: <= 0
-            raise ValueError(f"lower_bound: must be < 0 (the gate is lower_bound * sigmoid(...), a log decay), "
-                             f"got {lower_bound}")
+        # the gate lower_bound * sigmoid(..) is a log decay, <= 0; -inf would make it NaN where sigmoid is 0
+        if not (math.isfinite(lower_bound) and lower_bound < 0):
+            raise ValueError(f"lower_bound: must be a finite number < 0 (the gate is lower_bound * sigmoid(...), "
+                             f"a log decay), got {lower_bound}")
     elif safe_gate:
         raise ValueError("lower_bound: required with safe_gate=True and use_gate_in_kernel=True")
 

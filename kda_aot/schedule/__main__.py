@@ -15,11 +15,16 @@ from .plan import forward_plan, replay_plan
 
 
 def _lengths(text: str) -> list:
-    if text.replace(",", "").strip().isdigit():
-        return [int(x) for x in text.split(",") if x.strip()]
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if parts and all(x.lstrip("+-").isdigit() for x in parts):  # numbers: document lengths, each >= 0
+        lengths = [int(x) for x in parts]
+        if any(n < 0 for n in lengths):
+            raise SystemExit(f"{text!r}: document lengths must be >= 0")
+        return lengths
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "bench" / "packs.py").exists():
-        raise SystemExit(f"{text!r}: not lengths, and no bench/packs.py beside this package (a checkout)")
+        raise SystemExit(f"{text!r}: neither document lengths (comma-separated token counts, e.g. 100,2000,30) nor a "
+                         "pack name (pack names such as Q1 need a checkout's bench/packs.py)")
     sys.path.insert(0, str(checkout))
     from bench.packs import PACKS
     if text not in PACKS:
