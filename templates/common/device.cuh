@@ -102,15 +102,44 @@ inline int launch_status(char* err, int errlen) {
   return static_cast<int>(e);
 }
 
-// Launch `kernel` with `smem` bytes of dynamic shared memory (raising the opt-in limit first).
-template <typename Kernel, typename Args>
-inline int launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, void* stream, const Args& args, char* err,
-                         int errlen) {
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "%s", cudaGetErrorString(e));
-    return static_cast<int>(e);
+// A failed runtime call's code, with its message in err.
+inline int report(cudaError_t e, char* err, int errlen) {
+  if (err && errlen > 0) snprintf(err, errlen, "%s", cudaGetErrorString(e));
+  return static_cast<int>(e);
+}
+
+// The caller's tensors' device made current for one launch, the previous device restored after it: a process
+// may drive several GPUs from one thread, and a kernel (and cudaFuncSetAttribute) goes to the current device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    status_ = cudaGetDevice(&previous_);
+    if (status_ == cudaSuccess && previous_ != device) {
+      status_ = cudaSetDevice(device);
+      switched_ = status_ == cudaSuccess;
+    }
   }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  bool switched_ = false;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Launch `kernel` on `device` with `smem` bytes of dynamic shared memory (raising the opt-in limit first).
+template <typename Kernel, typename Args>
+inline int launch_kernel(Kernel kernel, dim3 grid, int threads, int smem, int device, void* stream, const Args& args,
+                         char* err, int errlen) {
+  const DeviceScope on(device);
+  if (on.status() != cudaSuccess) return report(on.status(), err, errlen);
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return report(e, err, errlen);
   kernel<<<grid, threads, smem, static_cast<cudaStream_t>(stream)>>>(args);
   return launch_status(err, errlen);
 }

@@ -15,6 +15,7 @@ struct KdaTensors {
   std::map<std::string, Tensor> t;
   int64_t T = 0, N = 0, H = 0, C = 0;
   int64_t Hqk = 0;  // q's and k's heads: H / Hqk value heads read each (grouped value heads)
+  int device = -1;  // the CUDA device every tensor is on
   uint64_t ptr(const char* name) const {
     auto it = t.find(name);
     return it == t.end() ? 0 : it->second.ptr;
@@ -181,7 +182,7 @@ inline KdaTensors check_kda_tensors(const py::dict& tensors, const std::vector<s
     expect_aligned(it->second, scalar ? dtype_size(it->second.dtype) : (sp.dtype == kInt32 ? 8 : 16));
     all.push_back(&it->second);
   }
-  expect_one_cuda_device(all);
+  out.device = expect_one_cuda_device(all);
   out.T = T;
   out.N = N;
   out.H = H;
@@ -228,15 +229,15 @@ inline KdaBeta beta_args(const KdaTensors& k, int kind, const char* what) {
 }
 
 template <typename Args>
-inline void run_launcher(int (*launcher)(const Args*, void*, char*, int), const Args& a, uint64_t stream,
-                         const char* what) {
+inline void run_launcher(int (*launcher)(const Args*, int, void*, char*, int), const Args& a, int device,
+                         uint64_t stream, const char* what) {
   char err[256] = {0};
-  const int code = launcher(&a, reinterpret_cast<void*>(stream), err, sizeof(err));
+  const int code = launcher(&a, device, reinterpret_cast<void*>(stream), err, sizeof(err));
   check_launch(code, err, what);
 }
 
 inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           int (*launcher)(const KdaFwdArgs*, void*, char*, int), const char* what,
+                           int (*launcher)(const KdaFwdArgs*, int, void*, char*, int), const char* what,
                            int gate_kind = kGateRaw, double lower_bound = 0.0, int beta_kind = kBetaPlain) {
   // the walk's output stage adds back Aqk's diagonal rounding error (kda_fwd_chunk's aqk_diag_lo)
   const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind,
@@ -283,12 +284,12 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
     fail_type(std::string(what) + ": u_lo_end needs end_segment (the segment each chunk ends)");
   a.transfer = reinterpret_cast<float*>(k.ptr("transfer"));
   a.o = reinterpret_cast<uint16_t*>(k.ptr("o"));
-  run_launcher(launcher, a, stream, what);
+  run_launcher(launcher, a, k.device, stream, what);
 }
 
 // need_one: tensors of which at least one must be given (outputs of which a call may leave some out).
 inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           int (*launcher)(const KdaBwdArgs*, void*, char*, int), const char* what,
+                           int (*launcher)(const KdaBwdArgs*, int, void*, char*, int), const char* what,
                            const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
                            double lower_bound = 0.0, int beta_kind = kBetaPlain) {
   const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind, nullptr, beta_kind);
@@ -344,7 +345,7 @@ inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t strea
   a.qk_group = k.H / k.Hqk;
   a.n_chunks = k.C;
   a.scale = static_cast<float>(scale);
-  run_launcher(launcher, a, stream, what);
+  run_launcher(launcher, a, k.device, stream, what);
 }
 
 }  // namespace kda
