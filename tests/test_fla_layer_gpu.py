@@ -25,19 +25,26 @@ def rel_rms(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def test_fla_layer_trains_on_kda_aot_eager_and_compiled(monkeypatch):
+LENS = [1, 63, 64, 65, 2000, 0, 700]  # an empty document, one of a token, one across many chunks
+
+
+def served_layer(monkeypatch, seed, dtype):
+    """FLA's layer (the shapes of bench/device_wheel.sh's layer step: one FLA autotune serves every test) with its
+    parameters in dtype, the counts of the calls kda_aot serves, the pack's cu_seqlens and an input x."""
     pytest.importorskip("fla")
     pytest.importorskip("einops")
     from bench.fla_layer import count_kda_aot_calls, kda_layer_class
-    KimiDeltaAttention = kda_layer_class()
     served = count_kda_aot_calls(monkeypatch.setattr)
     monkeypatch.delenv("FLA_KDA_AOT_CONV", raising=False)
-    torch.manual_seed(1234)
-    # the shapes of bench/device_wheel.sh's layer step: one FLA autotune serves both
-    layer = KimiDeltaAttention(hidden_size=1024, head_dim=128, num_heads=8, mode="chunk").cuda().to(torch.bfloat16)
-    lens = [1, 63, 64, 65, 2000, 0, 700]
-    cu = torch.tensor([0] + lens, device="cuda").cumsum(0)
-    x = torch.randn(1, sum(lens), 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.manual_seed(seed)
+    layer = kda_layer_class()(hidden_size=1024, head_dim=128, num_heads=8, mode="chunk").cuda().to(dtype)
+    cu = torch.tensor([0] + LENS, device="cuda").cumsum(0)
+    x = torch.randn(1, sum(LENS), 1024, device="cuda", dtype=dtype, requires_grad=True)
+    return layer, served, cu, x
+
+
+def test_fla_layer_trains_on_kda_aot_eager_and_compiled(monkeypatch):
+    layer, served, cu, x = served_layer(monkeypatch, 1234, torch.bfloat16)
 
     def step(module):
         layer.zero_grad(set_to_none=True)
@@ -63,3 +70,35 @@ def test_fla_layer_trains_on_kda_aot_eager_and_compiled(monkeypatch):
         e = rel_rms(compiled[name], ref)
         assert e < COMPILED, f"{name}: compiled {e:.2e} from eager"
     torch._dynamo.reset()
+
+
+def test_fla_layer_mixed_precision_checkpointed_on_kda_aot(monkeypatch):
+    """The layer as mixed-precision training runs it: fp32 parameters, the step under torch.autocast(bfloat16) and
+    activation checkpointing (non-reentrant: the forward runs again in the backward). Every gradient is fp32 and
+    finite, the layer's calls are served (the recomputed forward too), and the output and every gradient agree
+    with the same step on FLA's kernels (the bound above: autocast casts the same matmuls in both arms)."""
+    from torch.utils.checkpoint import checkpoint
+    layer, served, cu, x = served_layer(monkeypatch, 4321, torch.float32)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = checkpoint(lambda h: layer(h, cu_seqlens=cu)[0], x, use_reentrant=False)
+        y.float().sum().backward()
+        return {"y": y.detach(), "dx": x.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+
+    monkeypatch.setenv("FLA_KDA_AOT", "0")
+    fla_own = step()
+    assert not any(served.values()), served
+    monkeypatch.setenv("FLA_KDA_AOT", "1")
+    ours = step()
+    assert served == {"chunk_kda": 2, "conv1d_silu_fwd_op": 6, "conv1d_silu_bwd_op": 3}, served
+    errors = {}
+    for name, ref in fla_own.items():
+        if name != "y":
+            assert ours[name].dtype == torch.float32, (name, ours[name].dtype)
+        assert torch.isfinite(ours[name]).all(), name
+        errors[name] = rel_rms(ours[name], ref)
+    print("relative RMS from FLA's kernels:", {n: f"{e:.1e}" for n, e in errors.items()})
+    assert max(errors.values()) < AGAINST_FLA, errors
