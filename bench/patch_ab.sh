@@ -3,7 +3,7 @@
 #   A = this checkout as it is (built in place; carry build/kobj), B = a copy with PATCH applied, re-rendered
 #   and built from scratch (16 cores: ~20 s). Steps (STEPS, in order, each capped by what is left of CHECK_S):
 #     tests     the GPU test files TESTS on B
-#     sanitize  compute-sanitizer memcheck and racecheck of bench/sanitize_kda.py on B
+#     sanitize  compute-sanitizer memcheck, initcheck and racecheck of bench/sanitize_kda.py on B
 #     timing    Q1, H = 32 forward and replay step, kda_aot alone, A B A B (separate processes): the patch's cost
 #     numerics  bench/numerics.py on B (NUMERICS_ARGS; FLA beside when .whl carries it), rows into $OUT
 #     cmd       AB_CMD (a command line run from a tree's root, e.g. "python3 bench/profile_kda.py Q1 32
@@ -54,7 +54,7 @@ for step in ${STEPS:-tests sanitize timing}; do
         "python3 -m pytest -q -rs ${TESTS:-tests/test_kda_fwd_gpu.py tests/test_kda_numerics_gpu.py tests/test_kda_bwd_gpu.py}"
       stamp "tests B: $(tail -1 "$W/pytest_B.log")"; grep -E "^(FAILED|ERROR)" "$W/pytest_B.log" | head -20 ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck initcheck racecheck; do
         in_tree "$B" 150 "$W/sanitizer_$tool.log" \
           "compute-sanitizer --tool $tool --error-exitcode 9 python3 bench/sanitize_kda.py"
         stamp "compute-sanitizer $tool on B: exit $? $(tail -1 "$W/sanitizer_$tool.log")"

@@ -330,6 +330,47 @@ def test_compiled_fla_layer_call_is_bitwise_eager(backward):
         assert torch.equal(a, b), f"{backward} {name}: compiled differs from eager"
 
 
+@pytest.mark.parametrize("backward", ["replay", "saved"])
+def test_deterministic_mode_is_bitwise_the_default(backward):
+    """Under torch.use_deterministic_algorithms(True) torch fills every tensor it allocates uninitialised with NaN
+    (torch.utils.deterministic.fill_uninitialized_memory): a call that read memory no kernel wrote, or ran a torch
+    op that mode refuses, would show it here. FLA's layer call with an initial state, the final state and both in the
+    loss gives finite outputs and gradients, bitwise those of the default mode."""
+    gen = rng(SEED + 43)
+    H, D, lens = 2, 128, [1, 0, 63, 64, 65, 700]
+    T = sum(lens)
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    proj = (2 * torch.randn(1, T, 3 * H * D, device="cuda", generator=gen)).to(BF).requires_grad_()
+    raw = (8 * torch.randn(1, T, H, D, device="cuda", generator=gen)).to(BF).requires_grad_()
+    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(BF).requires_grad_()
+    a_log = torch.log(15 * torch.rand(H, device="cuda", generator=gen) + 1).requires_grad_()
+    dt_bias = (0.1 * torch.randn(H * D, device="cuda", generator=gen)).requires_grad_()
+    h0 = (0.1 * torch.randn(len(lens), H, D, D, device="cuda", generator=gen)).requires_grad_()
+    leaves = (proj, raw, logits, a_log, dt_bias, h0)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        q, k, v = (t.view(1, T, H, D) for t in proj.split(H * D, dim=-1))
+        o, ht = chunk_kda(q, k, v, raw, logits, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                          A_log=a_log, dt_bias=dt_bias, backward=backward, use_qk_l2norm_in_kernel=True,
+                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+        (o.sum() + ht.sum()).backward()
+        return [o.detach(), ht.detach()] + [x.grad.clone() for x in leaves]
+
+    default = step()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        deterministic = step()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for name, a, b in zip(("o", "ht", "dproj", "draw", "dlogits", "dA_log", "ddt_bias", "dh0"), deterministic, default):
+        assert torch.isfinite(a).all(), f"{backward} {name}: not finite in deterministic mode"
+        assert torch.equal(a, b), f"{backward} {name}: deterministic mode differs from the default"
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "doc_zigzag"])
 def test_compiled_cp_step_on_one_gpu_is_bitwise_eager(tmp_path, layout):
     """The CP path on the kernels (a one-rank NCCL group: the plan is the single-device segmentation, the
@@ -369,3 +410,37 @@ def test_module_on_a_pack_of_empty_documents():
     assert o.shape == (1, 0, 2, 128) and torch.equal(s, h0)
     s.sum().backward()
     assert torch.equal(h0.grad, torch.ones_like(h0)) and all(p.grad.abs().sum() == 0 for p in m.parameters())
+
+
+def test_module_in_deterministic_mode_is_bitwise_the_default():
+    """PackedKDA (its convs' workspaces, the norm, KDA with states) under torch.use_deterministic_algorithms(True),
+    which fills every uninitialised allocation with NaN: finite and bitwise the default mode's step."""
+    gen = rng(SEED + 47)
+    H, lens = 2, [300, 0, 129, 64]
+    T = sum(lens)
+    torch.manual_seed(13)
+    m = PackedKDA(H, 128, conv_bias=True, backend="cuda").cuda()
+    xs = [torch.randn(1, T, H * 128, device="cuda", generator=gen).to(BF).requires_grad_() for _ in range(3)]
+    g = -5 * torch.rand(1, T, H, 128, device="cuda", generator=gen)
+    beta = torch.rand(1, T, H, device="cuda", generator=gen).to(BF)
+    h0 = (0.1 * torch.randn(len(lens), H, 128, 128, device="cuda", generator=gen)).requires_grad_()
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    leaves = [*xs, h0, *m.parameters()]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        o, s = m(*xs, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+        (o.float().sum() + s.sum()).backward()
+        return [o.detach(), s.detach()] + [t.grad.clone() for t in leaves]
+
+    default = step()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        deterministic = step()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for i, (a, b) in enumerate(zip(deterministic, default)):
+        assert torch.isfinite(a).all(), f"output {i}: not finite in deterministic mode"
+        assert torch.equal(a, b), f"output {i}: deterministic mode differs from the default"
