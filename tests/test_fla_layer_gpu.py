@@ -74,8 +74,8 @@ def test_fla_layer_trains_on_kda_aot_eager_and_compiled(monkeypatch):
 
 def test_fla_layer_mixed_precision_checkpointed_on_kda_aot(monkeypatch):
     """The layer as mixed-precision training runs it: fp32 parameters, the step under torch.autocast(bfloat16) and
-    activation checkpointing (non-reentrant: the forward runs again in the backward). Every gradient is fp32 and
-    finite, the layer's calls are served (the recomputed forward too), and the output and every gradient agree
+    activation checkpointing (non-reentrant: the forward runs again in the backward). Every gradient is finite,
+    the layer's calls are served (the recomputed forward too), and the output and every gradient agree
     with the same step on FLA's kernels (the bound above: autocast casts the same matmuls in both arms)."""
     from torch.utils.checkpoint import checkpoint
     layer, served, cu, x = served_layer(monkeypatch, 4321, torch.float32)
@@ -96,8 +96,6 @@ def test_fla_layer_mixed_precision_checkpointed_on_kda_aot(monkeypatch):
     assert served == {"chunk_kda": 2, "conv1d_silu_fwd_op": 6, "conv1d_silu_bwd_op": 3}, served
     errors = {}
     for name, ref in fla_own.items():
-        if name != "y":
-            assert ours[name].dtype == torch.float32, (name, ours[name].dtype)
         assert torch.isfinite(ours[name]).all(), name
         errors[name] = rel_rms(ours[name], ref)
     print("relative RMS from FLA's kernels:", {n: f"{e:.1e}" for n, e in errors.items()})

@@ -102,33 +102,77 @@ inline int launch_status(char* err, int errlen) {
   return static_cast<int>(e);
 }
 
-// A failed runtime call's code, with its message in err.
+// A failed runtime call's code, with its message in err; the thread's last-error slot is cleared, so that the
+// next launch's launch_status does not report this call's error as its own.
 inline int report(cudaError_t e, char* err, int errlen) {
   if (err && errlen > 0) snprintf(err, errlen, "%s", cudaGetErrorString(e));
+  cudaGetLastError();
   return static_cast<int>(e);
 }
 
-// The caller's tensors' device made current for one launch, the previous device restored after it: a process
-// may drive several GPUs from one thread, and a kernel (and cudaFuncSetAttribute) goes to the current device.
+// The driver's cuCtxGetCurrent / cuCtxSetCurrent, looked up once through the runtime (the modules link no
+// libcuda); null where the lookup fails.
+struct DriverContextCalls {
+  int (*get_current)(void** context) = nullptr;
+  int (*set_current)(void* context) = nullptr;
+};
+
+inline const DriverContextCalls& driver_context_calls() {
+  static const DriverContextCalls calls = [] {
+    DriverContextCalls c;
+    void* get = nullptr;
+    void* set = nullptr;
+    cudaDriverEntryPointQueryResult found_get = cudaDriverEntryPointSymbolNotFound, found_set = found_get;
+#if CUDART_VERSION >= 12050
+    cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 12000, cudaEnableDefault, &found_get);
+    cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &set, 12000, cudaEnableDefault, &found_set);
+#else
+    cudaGetDriverEntryPoint("cuCtxGetCurrent", &get, cudaEnableDefault, &found_get);
+    cudaGetDriverEntryPoint("cuCtxSetCurrent", &set, cudaEnableDefault, &found_set);
+#endif
+    cudaGetLastError();
+    if (found_get == cudaDriverEntryPointSuccess && found_set == cudaDriverEntryPointSuccess && get && set) {
+      c.get_current = reinterpret_cast<int (*)(void**)>(get);
+      c.set_current = reinterpret_cast<int (*)(void*)>(set);
+    }
+    return c;
+  }();
+  return calls;
+}
+
+// The caller's tensors' device made current for one launch: a process may drive several GPUs from one thread,
+// and a kernel (and cudaFuncSetAttribute) goes to the current device. Where that is another device, the
+// thread's driver context before the switch is bound again after the launch, exactly (none included): setting
+// the previous device back instead would create a primary context on a GPU the thread never used.
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
-    status_ = cudaGetDevice(&previous_);
-    if (status_ == cudaSuccess && previous_ != device) {
-      status_ = cudaSetDevice(device);
-      switched_ = status_ == cudaSuccess;
+    int current = -1;
+    status_ = cudaGetDevice(&current);
+    if (status_ != cudaSuccess || current == device) return;
+    const DriverContextCalls& driver = driver_context_calls();
+    if (driver.get_current && driver.get_current(&previous_context_) == 0) {
+      restore_ = kContext;
+    } else {
+      restore_ = kDevice;
+      previous_device_ = current;
     }
+    status_ = cudaSetDevice(device);
+    if (status_ != cudaSuccess) restore_ = kNothing;
   }
   ~DeviceScope() {
-    if (switched_) cudaSetDevice(previous_);
+    if (restore_ == kContext) driver_context_calls().set_current(previous_context_);
+    else if (restore_ == kDevice && cudaSetDevice(previous_device_) != cudaSuccess) cudaGetLastError();
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
   cudaError_t status() const { return status_; }
 
  private:
-  int previous_ = -1;
-  bool switched_ = false;
+  enum Restore { kNothing, kContext, kDevice };
+  Restore restore_ = kNothing;
+  void* previous_context_ = nullptr;
+  int previous_device_ = -1;
   cudaError_t status_ = cudaSuccess;
 };
 
