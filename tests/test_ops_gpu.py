@@ -291,6 +291,29 @@ def test_reduce_overhead_replays_bitwise_on_every_pack(mode):
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+def fla_call_leaves(gen, T, H, D=128):
+    """FLA's layer call's inputs as its layer makes them: one [1, T, 3 H D] projection for q, k, v, the raw bf16 gate
+    (x 8, so that g reaches below -30 with A_log and dt_bias), beta's logits, A_log, dt_bias."""
+    proj = (2 * torch.randn(1, T, 3 * H * D, device="cuda", generator=gen)).to(BF).requires_grad_()
+    raw = (8 * torch.randn(1, T, H, D, device="cuda", generator=gen)).to(BF).requires_grad_()
+    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(BF).requires_grad_()
+    a_log = torch.log(15 * torch.rand(H, device="cuda", generator=gen) + 1).requires_grad_()
+    dt_bias = (0.1 * torch.randn(H * D, device="cuda", generator=gen)).requires_grad_()
+    return proj, raw, logits, a_log, dt_bias
+
+
+def in_deterministic_mode(step):
+    """step() under torch.use_deterministic_algorithms(True) (uninitialised allocations filled with NaN), the
+    mode restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        return step()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 @pytest.mark.parametrize("backward", ["replay", "saved"])
 def test_compiled_fla_layer_call_is_bitwise_eager(backward):
     """FLA's layer call as its layer makes it (q, k, v views of one projection, the raw bf16 gate with A_log and
@@ -301,12 +324,7 @@ def test_compiled_fla_layer_call_is_bitwise_eager(backward):
     H, D, lens = 2, 128, [1, 63, 64, 65, 700]
     T = sum(lens)
     cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
-    proj = (2 * torch.randn(1, T, 3 * H * D, device="cuda", generator=gen)).to(BF).requires_grad_()
-    raw = (8 * torch.randn(1, T, H, D, device="cuda", generator=gen)).to(BF).requires_grad_()
-    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(BF).requires_grad_()
-    a_log = torch.log(15 * torch.rand(H, device="cuda", generator=gen) + 1).requires_grad_()
-    dt_bias = (0.1 * torch.randn(H * D, device="cuda", generator=gen)).requires_grad_()
-    leaves = (proj, raw, logits, a_log, dt_bias)
+    leaves = proj, raw, logits, a_log, dt_bias = fla_call_leaves(gen, T, H, D)
 
     def call(proj, raw, logits, a_log, dt_bias):
         q, k, v = (t.view(1, T, H, D) for t in proj.split(H * D, dim=-1))
@@ -340,11 +358,7 @@ def test_deterministic_mode_is_bitwise_the_default(backward):
     H, D, lens = 2, 128, [1, 0, 63, 64, 65, 700]
     T = sum(lens)
     cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-    proj = (2 * torch.randn(1, T, 3 * H * D, device="cuda", generator=gen)).to(BF).requires_grad_()
-    raw = (8 * torch.randn(1, T, H, D, device="cuda", generator=gen)).to(BF).requires_grad_()
-    logits = torch.randn(1, T, H, device="cuda", generator=gen).to(BF).requires_grad_()
-    a_log = torch.log(15 * torch.rand(H, device="cuda", generator=gen) + 1).requires_grad_()
-    dt_bias = (0.1 * torch.randn(H * D, device="cuda", generator=gen)).requires_grad_()
+    proj, raw, logits, a_log, dt_bias = fla_call_leaves(gen, T, H, D)
     h0 = (0.1 * torch.randn(len(lens), H, D, D, device="cuda", generator=gen)).requires_grad_()
     leaves = (proj, raw, logits, a_log, dt_bias, h0)
 
@@ -359,13 +373,7 @@ def test_deterministic_mode_is_bitwise_the_default(backward):
         return [o.detach(), ht.detach()] + [x.grad.clone() for x in leaves]
 
     default = step()
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert torch.utils.deterministic.fill_uninitialized_memory
-        deterministic = step()
-    finally:
-        torch.use_deterministic_algorithms(before)
+    deterministic = in_deterministic_mode(step)
     for name, a, b in zip(("o", "ht", "dproj", "draw", "dlogits", "dA_log", "ddt_bias", "dh0"), deterministic, default):
         assert torch.isfinite(a).all(), f"{backward} {name}: not finite in deterministic mode"
         assert torch.equal(a, b), f"{backward} {name}: deterministic mode differs from the default"
@@ -435,12 +443,7 @@ def test_module_in_deterministic_mode_is_bitwise_the_default():
         return [o.detach(), s.detach()] + [t.grad.clone() for t in leaves]
 
     default = step()
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        deterministic = step()
-    finally:
-        torch.use_deterministic_algorithms(before)
+    deterministic = in_deterministic_mode(step)
     for i, (a, b) in enumerate(zip(deterministic, default)):
         assert torch.isfinite(a).all(), f"output {i}: not finite in deterministic mode"
         assert torch.equal(a, b), f"output {i}: deterministic mode differs from the default"
