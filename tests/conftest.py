@@ -87,3 +87,31 @@ def kda_options():
 
     yield set_options
     options.swap(before)
+
+
+@pytest.fixture
+def reference_op(monkeypatch):
+    """kda_aot.chunk_kda's KDA op as the fp64 reference (autograd through it), so that everything the call does
+    around the op runs on the CPU; records the modes it was called in."""
+    from kda_aot import reference
+    from kda_aot.ops import chunk_kda as op
+    from kda_aot.ops.gate import beta_sigmoid
+    from kda_aot.ops.norm import l2norm_torch
+    from kda_aot.schedule import kda
+    calls = []
+
+    def fake(saved):
+        def run(q, k, v, g, beta, h0, cu, scale, output_final_state, beta_kind=kda.BETA_PLAIN, keep=False):
+            assert not (saved and keep)  # the replay's forward alone keeps what the replay reads
+            calls.append("saved" if saved else "replay")
+            if beta_kind != kda.BETA_PLAIN:  # the kernels' activation of the logits, as FLA's: fp32 sigmoid, unrounded
+                beta = beta_sigmoid(beta, beta_kind == kda.BETA_SIGMOID_2, torch.float32)
+            o, s = reference.kda_chunked(*(x.double() for x in (q, k, v, g, beta)), cu_seqlens=cu.tolist(),
+                                         scale=scale, initial_state=None if h0 is None else h0.double(),
+                                         output_final_state=True, dtype=torch.float64)
+            return o, s
+        return run
+    monkeypatch.setattr(op, "chunk_kda_fwd_op", fake(False))
+    monkeypatch.setattr(op, "chunk_kda_fwd_saved_op", fake(True))
+    monkeypatch.setattr(op, "_qk_l2norm", lambda q, k: (l2norm_torch(q), l2norm_torch(k)))  # the kernel's formula
+    return calls

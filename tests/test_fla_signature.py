@@ -13,7 +13,6 @@ import torch
 import kda_aot
 from kda_aot import reference
 from kda_aot.ops import chunk_kda as op
-from kda_aot.ops.gate import beta_sigmoid
 from kda_aot.ops.norm import L2NORM_EPS, l2norm_torch
 from kda_aot.schedule import kda
 
@@ -25,28 +24,6 @@ FLA_PARAMETERS = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_
                   "safe_gate", "lower_bound", "disable_recompute", "return_intermediate_states", "state_v_first",
                   "cu_seqlens", "cu_seqlens_cpu", "cp_context", "use_graph", "max_num_seqs"]
 D = 128
-
-
-@pytest.fixture
-def reference_op(monkeypatch):
-    """The KDA op as the fp64 reference (autograd through it); records the modes it was called in."""
-    calls = []
-
-    def fake(saved):
-        def run(q, k, v, g, beta, h0, cu, scale, output_final_state, beta_kind=kda.BETA_PLAIN, keep=False):
-            assert not (saved and keep)  # the replay's forward alone keeps what the replay reads
-            calls.append("saved" if saved else "replay")
-            if beta_kind != kda.BETA_PLAIN:  # the kernels' activation of the logits, as FLA's: fp32 sigmoid, unrounded
-                beta = beta_sigmoid(beta, beta_kind == kda.BETA_SIGMOID_2, torch.float32)
-            o, s = reference.kda_chunked(*(x.double() for x in (q, k, v, g, beta)), cu_seqlens=cu.tolist(),
-                                         scale=scale, initial_state=None if h0 is None else h0.double(),
-                                         output_final_state=True, dtype=torch.float64)
-            return o, s
-        return run
-    monkeypatch.setattr(op, "chunk_kda_fwd_op", fake(False))
-    monkeypatch.setattr(op, "chunk_kda_fwd_saved_op", fake(True))
-    monkeypatch.setattr(op, "_qk_l2norm", lambda q, k: (l2norm_torch(q), l2norm_torch(k)))  # the kernel's formula
-    return calls
 
 
 def l2norm_as_the_kernel(x):
