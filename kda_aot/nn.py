@@ -25,6 +25,7 @@ from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
+from .ops.chunk_kda import check_cu_seqlens_cpu
 from .ops.norm import WIDTH, l2norm_torch
 
 __all__ = ["PackedKDA"]
@@ -70,10 +71,16 @@ class PackedKDA(nn.Module):
             raise ValueError(f"backward must be one of {', '.join(BACKWARD_MODES)}, got {backward!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if num_heads < 1 or head_dim < 1:
-            raise ValueError(f"num_heads and head_dim must be >= 1, got {num_heads}, {head_dim}")
-        self.num_heads, self.head_dim = int(num_heads), int(head_dim)
-        self.qk_l2norm, self.backward_mode, self.backend = bool(qk_l2norm), backward, backend
+        for name, value in (("num_heads", num_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+                raise TypeError(f"{name}: expected an int, got {value!r}")
+            if operator.index(value) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        for name, value in (("conv_bias", conv_bias), ("qk_l2norm", qk_l2norm)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected a bool, got {value!r}")
+        self.num_heads, self.head_dim = operator.index(num_heads), operator.index(head_dim)
+        self.qk_l2norm, self.backward_mode, self.backend = qk_l2norm, backward, backend
         D = self.num_heads * self.head_dim
         width = reference.CONV_WIDTH
         for name in ("q", "k", "v"):
@@ -203,11 +210,7 @@ class PackedKDA(nn.Module):
         self._check_call(q, k, v, cu_seqlens, plan, group)
         cu_seqlens = _as_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
-        if cu_seqlens_cpu is not None:
-            if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
-                raise ValueError("cu_seqlens_cpu: expected the CPU copy of cu_seqlens (a CPU tensor)")
-            if cu_seqlens is None:
-                raise ValueError("cu_seqlens_cpu: give cu_seqlens too (cu_seqlens_cpu is its copy on the CPU)")
+        check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
         backend = resolve_backend(self.backend, q)
         if backend == "cuda" and self.head_dim != 128:
             # before the conv and before any collective: every rank raises
@@ -221,12 +224,12 @@ class PackedKDA(nn.Module):
         qc, kc, vc = self._conv_qkv(q, k, v, host, None, None, backend)
         if backend == "cuda":
             from .ops.chunk_kda import chunk_kda
-            o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=host, scale=scale,
+            o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  backward=self.backward_mode)
             return o.to(q.dtype), final
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        o, final = reference.kda_chunked(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens,
+        o, final = reference.kda_chunked(qc, kc, vc, g, beta, cu_seqlens=host,  # the conv's boundaries
                                          scale=scale, initial_state=initial_state,
                                          output_final_state=output_final_state, dtype=dtype)
         return o.to(q.dtype), final

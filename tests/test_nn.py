@@ -148,6 +148,24 @@ def test_argument_errors():
         PackedKDA(2, 8, backward="recompute")
     with pytest.raises(ValueError, match="backend must be one of"):
         PackedKDA(2, 8, backend="triton")
+    for args, kw, err, match in (((2.7, 8), {}, TypeError, "num_heads: expected an int, got 2.7"),
+                                 ((True, 8), {}, TypeError, "num_heads: expected an int, got True"),
+                                 ((2, "8"), {}, TypeError, "head_dim: expected an int"),
+                                 ((0, 8), {}, ValueError, "num_heads: must be >= 1, got 0"),
+                                 ((2, 8), dict(conv_bias="no"), TypeError, "conv_bias: expected a bool, got 'no'"),
+                                 ((2, 8), dict(qk_l2norm=1), TypeError, "qk_l2norm: expected a bool, got 1")):
+        with pytest.raises(err, match=match):
+            PackedKDA(*args, **kw)
+    assert PackedKDA(torch.tensor(2), 8).num_heads == 2  # an integer of any kind
+    # cu_seqlens_cpu is cu_seqlens' CPU copy: the conv and KDA read the same boundaries or the call refuses
+    with pytest.raises(ValueError, match="cu_seqlens_cpu: must hold cu_seqlens' values"):
+        m(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 2, 8]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_cpu: expected shape \[3\] \(as cu_seqlens\), got \[2\]"):
+        m(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="cu_seqlens_cpu: give cu_seqlens too"):
+        m(q, k, v, g, beta, plan=object(), cu_seqlens_cpu=cu)
+    assert torch.equal(m(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=cu.int())[0], m(q, k, v, g, beta,
+                                                                                        cu_seqlens=cu)[0])
     # on the reference backend as on the kernels: the scale, the boundaries, the gate's dtype and device
     with pytest.raises(ValueError, match="scale: expected a finite number"):
         m(q, k, v, g, beta, cu_seqlens=cu, scale=float("nan"))
