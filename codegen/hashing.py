@@ -7,6 +7,7 @@ no timestamps, keys sorted: the hash is the same on any machine and under any PY
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -61,8 +62,7 @@ def record_hash(record: Record) -> str:
         "flags": list(record.flags),
         "depends": dependencies(record),
     }
-    if record.binding:  # the tensors its binding requires are rendered into it
-        payload["binding"] = {"needs": list(record.binding.needs), "need_one": list(record.binding.need_one),
-                              "gate": record.binding.gate}
+    if record.binding:  # every field of its binding (the tensors it requires, the activations it takes) is rendered into it
+        payload["binding"] = dataclasses.asdict(record.binding)
     canon = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return sha256_bytes(canon.encode())

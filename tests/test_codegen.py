@@ -1,4 +1,5 @@
 """Codegen: check/render round trips, determinism, hashing inputs, manifests, stale refusal."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -111,8 +112,12 @@ def test_kda_bindings_come_from_their_argument_struct(monkeypatch):
             assert ", ".join(f'"{n}"' for n in rec.binding.needs) in text
     rec = next(r for r in RECORDS if r.program == "kda_fwd_walk")
     base = record_hash(rec)
-    monkeypatch.setitem(catalog.BINDINGS, "kda_fwd_walk", replace(rec.binding, needs=rec.binding.needs[:-1]))
-    assert record_hash(rec) != base
+    changed = {tuple: lambda x: x[:-1] if x else ("q",), bool: lambda x: not x,
+               str: lambda x: catalog._BWD_ARGS if x == catalog._FWD_ARGS else catalog._FWD_ARGS}  # the template
+    for f in dataclasses.fields(rec.binding):  # every field, so that a new one cannot be left out of the hash
+        value = getattr(rec.binding, f.name)
+        monkeypatch.setitem(catalog.BINDINGS, "kda_fwd_walk", replace(rec.binding, **{f.name: changed[type(value)](value)}))
+        assert record_hash(rec) != base, f.name
 
 
 def test_missing_parameter_is_an_error():
