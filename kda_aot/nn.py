@@ -19,7 +19,7 @@ from torch import nn
 
 from . import reference
 from ._runtime import registry
-from ._runtime.tensor import checked_scale, require_cuda
+from ._runtime.tensor import boundaries_tensor, checked_scale, require_cuda
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
@@ -36,19 +36,6 @@ BACKENDS = ("auto", "reference", "cuda")
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """The backend a call runs on: "auto" resolves by the inputs (kda_aot.registry.auto_backend)."""
     return registry.auto_backend(x) if backend == "auto" else backend
-
-
-def _as_tensor(cu_seqlens):
-    """Document boundaries given as a list: a CPU tensor (what the ops take; no host sync)."""
-    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
-        return cu_seqlens
-    try:  # a list, range or array of integers (numpy's, one-element tensors'): not floats, not bools
-        if isinstance(cu_seqlens, (str, bytes)) or any(isinstance(c, bool) for c in cu_seqlens):
-            raise TypeError
-        values = [operator.index(c) for c in cu_seqlens]
-    except TypeError:
-        raise TypeError(f"cu_seqlens: expected a tensor or a sequence of ints, got {cu_seqlens!r}") from None
-    return torch.tensor(values, dtype=torch.int64)
 
 
 class PackedKDA(nn.Module):
@@ -176,7 +163,7 @@ class PackedKDA(nn.Module):
         self._check_call(q, k, v, cu_seqlens, plan, group)
         if plan is not None:
             group, _, _ = resolve_group(group)
-        return self._conv_qkv(q, k, v, _as_tensor(cu_seqlens), plan, group, resolve_backend(self.backend, q))
+        return self._conv_qkv(q, k, v, boundaries_tensor(cu_seqlens), plan, group, resolve_backend(self.backend, q))
 
     def _conv_qkv(self, q, k, v, cu_seqlens, plan, group, backend, kda=None, op="PackedKDA.conv_qkv"):
         """conv_qkv (under CP: the agreement check, with the facts of the KDA call `kda` when given, then one
@@ -208,7 +195,7 @@ class PackedKDA(nn.Module):
         None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
-        cu_seqlens = _as_tensor(cu_seqlens)
+        cu_seqlens = boundaries_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
         backend = resolve_backend(self.backend, q)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -71,6 +72,20 @@ def checked_scale(scale, head_dim: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale}")
     return scale
+
+
+def boundaries_tensor(cu_seqlens, name: str = "cu_seqlens"):
+    """Document boundaries given as a tensor (as they are) or a sequence of integers of any kind (Python's,
+    numpy's, one-element tensors'): an int64 CPU tensor. Floats and bools are refused, never truncated."""
+    if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens
+    try:
+        if isinstance(cu_seqlens, (str, bytes)) or any(isinstance(c, bool) for c in cu_seqlens):
+            raise TypeError
+        values = [operator.index(c) for c in cu_seqlens]
+    except TypeError:
+        raise TypeError(f"{name}: expected a tensor or a sequence of ints, got {cu_seqlens!r}") from None
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._runtime.tensor import check_cu_seqlens
+from .._runtime.tensor import boundaries_tensor, check_cu_seqlens
 from . import keys
 
 __all__ = ["LAYOUTS", "CHUNK", "Fragment", "CPPlan", "make_plan"]
@@ -217,13 +217,7 @@ def _check_rank(rank: int, world_size: int) -> None:
 
 
 def _as_bounds(cu_seqlens) -> List[int]:
-    if not isinstance(cu_seqlens, torch.Tensor):
-        try:
-            values = [int(c) for c in cu_seqlens]
-        except TypeError:
-            raise TypeError(f"cu_seqlens: expected a tensor or a sequence of ints, "
-                            f"got {type(cu_seqlens).__name__}") from None
-        cu_seqlens = torch.tensor(values, dtype=torch.int64)
+    cu_seqlens = boundaries_tensor(cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
     bounds = check_cu_seqlens(cu_seqlens.cpu(), int(cu_seqlens[-1]))

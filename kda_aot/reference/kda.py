@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._runtime.tensor import check_cu_seqlens
+from .._runtime.tensor import boundaries_tensor, check_cu_seqlens
 
 G_FLOOR = -1000.0  # chunk_prepare's floor of g: exp of anything through it underflows to 0, like exp(-inf)
 
@@ -19,9 +19,7 @@ def _bounds(cu_seqlens: CuSeqlens, T: int) -> List[int]:
     """cu_seqlens as a validated python list (None = one document covering T)."""
     if cu_seqlens is None:
         return [0, T]
-    if not isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = torch.tensor([int(c) for c in cu_seqlens], dtype=torch.int64)
-    return check_cu_seqlens(cu_seqlens, T)
+    return check_cu_seqlens(boundaries_tensor(cu_seqlens), T)
 
 
 def _check_kda_inputs(q, k, v, g, beta, initial_state, n_docs):
