@@ -255,6 +255,8 @@ def test_inputs_and_errors():
         cp.make_plan([0, 5, 5, 10], "doc_zigzag", world_size=2, rank=0)
     with pytest.raises(TypeError, match="cu_seqlens"):
         cp.make_plan(torch.tensor([0.0, 4.0]), "doc_zigzag", world_size=2, rank=0)
+    with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a sequence of ints"):
+        cp.make_plan([0, 10.7, 20], "contiguous", world_size=2, rank=0)  # refused, never truncated
 
 
 def test_phase_timing_records_only_when_asked(kda_options):

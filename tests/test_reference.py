@@ -167,6 +167,11 @@ def test_bad_cu_seqlens_raise(gen):
     for cu in ([0, 3], [1, 4], [0, 3, 2, 4]):
         with pytest.raises(ValueError):
             ref.kda_chunked(q, k, v, g, beta, cu_seqlens=cu)
+    for cu in ([0, 2.5, 4], [0, True, 4], "04"):  # refused, never truncated
+        with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a sequence of ints"):
+            ref.kda_chunked(q, k, v, g, beta, cu_seqlens=cu)
+    assert torch.equal(ref.kda_chunked(q, k, v, g, beta, cu_seqlens=range(0, 5, 2))[0],
+                       ref.kda_chunked(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 4]))[0])
 
 
 # ----------------------------------------------------------------------------- fp32 safety
