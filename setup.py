@@ -52,7 +52,7 @@ def target_arch() -> str:
             return _arch_table().arch_of(out[0].split("."))
     except (OSError, subprocess.SubprocessError):
         pass
-    return "sm_90a"
+    return _arch_table().DEFAULT_ARCH
 
 
 def cuda_home() -> Path:

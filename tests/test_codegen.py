@@ -120,6 +120,16 @@ def test_kda_bindings_come_from_their_argument_struct(monkeypatch):
         assert record_hash(rec) != base, f.name
 
 
+def test_one_arch_table():
+    """The archs records are rendered for (codegen.catalog.ARCHS) are the archs the runtime maps GPUs to
+    (kda_aot/_runtime/arch.py, which setup.py reads too), and the arch built without a GPU is one of them."""
+    from codegen import catalog
+    from kda_aot._runtime import arch
+    assert set(catalog.ARCHS) == set(arch.CAPABILITY_ARCH.values())
+    assert arch.DEFAULT_ARCH in catalog.ARCHS
+    assert {r.arch for r in RECORDS} <= set(catalog.ARCHS)
+
+
 def test_missing_parameter_is_an_error():
     rec = RECORDS[0]
     params = dict(rec.params)

@@ -1,5 +1,6 @@
 """GPU compute capability -> the arch our records are rendered for. Torch-free: setup.py reads it too."""
 CAPABILITY_ARCH = {(9, 0): "sm_90a"}
+DEFAULT_ARCH = "sm_90a"  # without a GPU to ask: what setup.py builds and the registry loads
 
 
 def arch_of(capability) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .arch import CAPABILITY_ARCH, arch_of
+from .arch import CAPABILITY_ARCH, DEFAULT_ARCH, arch_of
 
 PACKAGE = Path(__file__).resolve().parent.parent  # kda_aot/
 REPO = PACKAGE.parent
@@ -62,10 +62,10 @@ def records() -> tuple[dict, ...]:
 
 
 def running_arch() -> str:
-    """Arch of the current CUDA device; without a GPU, KDA_AOT_ARCH or sm_90a (for loading only)."""
+    """Arch of the current CUDA device; without a GPU, KDA_AOT_ARCH or DEFAULT_ARCH (for loading only)."""
     if torch.cuda.is_available():
         return arch_of(torch.cuda.get_device_capability())
-    return os.environ.get("KDA_AOT_ARCH", "sm_90a")
+    return os.environ.get("KDA_AOT_ARCH", DEFAULT_ARCH)
 
 
 def record(program: str, form: str = "default", arch: str | None = None) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from ..ops.chunk_kda import BACKWARD_MODES
 from ..ops.gate import activate
 from .._runtime.packing import PLANNED_FROM_HOST
 from .._runtime.tensor import checked_scale
@@ -17,7 +18,6 @@ from .plan import CPPlan
 
 __all__ = ["chunk_kda_cp", "chunk_kda_cp_agreed", "kda_facts", "BACKWARD_MODES", "phase_times"]
 
-BACKWARD_MODES = ("replay", "saved")
 INFERENCE = "inference"  # the forward op's mode when no backward will come (what the user's modes keep, kept by none)
 
 

@@ -152,9 +152,6 @@ class CPPlan:
     def local_cu_seqlens(self) -> Tuple[int, ...]:
         return self.local_cu_seqlens_of(self.rank)
 
-    def local_cu_seqlens_tensor(self, device=None, dtype=torch.int32) -> torch.Tensor:
-        return torch.tensor(self.local_cu_seqlens, dtype=dtype, device=device)
-
     def token_map_of(self, rank: int, device=None) -> torch.Tensor:
         """Global index of each of `rank`'s local tokens, in local order (int64 [T_local])."""
         parts = [torch.arange(f.start, f.end, dtype=torch.int64, device=device)
