@@ -18,9 +18,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import commit as checkout_commit  # noqa: E402
+from bench.packs import PACKS  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
-
-PACKS = {"Q1": [101377, 40961, 77777, 29741], "Q2": [150001, 76335], "Q6": [200000, 49856]}
 
 
 def step(m, xs, g, beta, cu, do):

@@ -40,11 +40,12 @@ import torch.nn.functional as F
 if not __package__:  # run as a script (python3 bench/numerics.py): the checkout, for bench and kda_aot
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import commit  # noqa: E402
+from bench.packs import PACKS  # noqa: E402
 from kda_aot import chunk_kda, reference  # noqa: E402
 
 D = 128
 OUTPUTS = ("o", "dq", "dk", "dv", "dg", "dbeta", "final_state", "dh0")
-Q1 = [101377, 40961, 77777, 29741]
+Q1 = PACKS["Q1"]
 
 
 def pack(seed: int) -> list:
