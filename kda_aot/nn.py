@@ -33,9 +33,12 @@ __all__ = ["PackedKDA"]
 BACKENDS = ("auto", "reference", "cuda")
 
 
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The backend a call runs on: "auto" resolves by the inputs (kda_aot.registry.auto_backend)."""
-    return registry.auto_backend(x) if backend == "auto" else backend
+def resolve_backend(backend: str, x: torch.Tensor, head_dim: int = 128) -> str:
+    """The backend a call runs on: "auto" resolves by the inputs (kda_aot.registry.auto_backend) and the head
+    dim (the kernels' is 128: another runs on the reference)."""
+    if backend != "auto":
+        return backend
+    return registry.auto_backend(x) if head_dim == 128 else "reference"
 
 
 class PackedKDA(nn.Module):
@@ -45,7 +48,8 @@ class PackedKDA(nn.Module):
     q/k/v_conv_bias [H * head_dim] with conv_bias=True), the layout of
     flash-linear-attention's causal_conv1d.
     backward: "replay" | "saved" (the CP op's backward mode; bitwise-equal gradients).
-    backend: "auto" (per call: "cuda" for bf16 inputs on a GPU the kernels serve, else "reference") |
+    backend: "auto" (per call: "cuda" for bf16 inputs on a GPU the kernels serve and head_dim 128, else
+    "reference") |
     "reference" (kda_aot.reference, fp32 or fp64 when the inputs are fp64) |
     "cuda" (the conv runs kda_aot.causal_conv1d_silu and KDA the kernels of kda_aot.schedule.kda, single
     device or through the CUDA backend of kda_aot.cp; head_dim must be 128).
@@ -163,7 +167,7 @@ class PackedKDA(nn.Module):
         self._check_call(q, k, v, cu_seqlens, plan, group)
         if plan is not None:
             group, _, _ = resolve_group(group)
-        return self._conv_qkv(q, k, v, boundaries_tensor(cu_seqlens), plan, group, resolve_backend(self.backend, q))
+        return self._conv_qkv(q, k, v, boundaries_tensor(cu_seqlens), plan, group, resolve_backend(self.backend, q, self.head_dim))
 
     def _conv_qkv(self, q, k, v, cu_seqlens, plan, group, backend, kda=None, op="PackedKDA.conv_qkv"):
         """conv_qkv (under CP: the agreement check, with the facts of the KDA call `kda` when given, then one
@@ -198,7 +202,7 @@ class PackedKDA(nn.Module):
         cu_seqlens = boundaries_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
-        backend = resolve_backend(self.backend, q)
+        backend = resolve_backend(self.backend, q, self.head_dim)
         if backend == "cuda" and self.head_dim != 128:
             # before the conv and before any collective: every rank raises
             raise ValueError(f"PackedKDA(backend='cuda'): head_dim must be 128, got {self.head_dim}")

@@ -148,6 +148,17 @@ def test_auto_backend_without_a_gpu_is_the_reference():
     assert get_backend("auto", like=x).name == "reference"
 
 
+def test_auto_backend_takes_the_reference_for_another_head_dim(monkeypatch):
+    """On a GPU the kernels serve, "auto" still runs a head dim other than 128 on the reference (the kernels'
+    is 128; "cuda" asked for explicitly refuses it)."""
+    from kda_aot._runtime import registry
+    from kda_aot.nn import resolve_backend
+    monkeypatch.setattr(registry, "auto_backend", lambda x: "cuda")  # what a served GPU's bf16 input gets
+    x = torch.zeros(1)
+    assert resolve_backend("auto", x, 128) == "cuda" and resolve_backend("auto", x, 64) == "reference"
+    assert resolve_backend("cuda", x, 64) == "cuda"
+
+
 def test_fla_layer_call_traces_into_one_graph():
     """FLA's layer call (gate and beta activations, GVA, V-first states, l2norm in the op) traces with the
     forward and backward ops; every gradient (raw g, A_log, dt_bias, beta logits, the V-first state) has
