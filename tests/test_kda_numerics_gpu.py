@@ -122,10 +122,10 @@ def test_o_and_dk_carry_the_diagonal_corrections(kind):
     assert_within(kind, "corrections", CORRECTED[kind])
 
 
-# dq at strong decay: dAqk_ii = scale dO_i . V'_i, and V'_i ~ U_i where W S has decayed, so U's bf16 rounding was dq's
+# dq at strong decay: dAqk_ii = scale dO_i . V'_i, and V'_i ~ U_i where W S has decayed, so U's bf16 rounding is dq's
 # largest error beyond its own; kda_bwd_chunk adds dO_i . (U'_i - bf16(U_i)) with U' formed again from the saved
 # (I + L)^-1, beta and V. Emulated on this test's case (bench/studies/kda_emulation.py --lens 1,63,64,65,1000,37
-# --heads 4 --seeds 12 --range, arms fixed:vnew_diag=none before, fixed after; min - max, x 1e-3): const-8 dq
+# --heads 4 --seeds 12 --range, arms fixed:vnew_diag=none without the term, fixed with it; min - max, x 1e-3): const-8 dq
 # 2.32-2.37 -> 1.65-1.67, unif-5 dq 2.32-2.41 -> 1.75-1.77 (FLA on the same draws: ~2.3 and ~2.8). The bounds lie
 # between: without the term every draw fails them.
 U_AGAIN = {"const-8": {"dq": 2.0e-3}, "unif-5": {"dq": 2.05e-3}}
@@ -137,7 +137,7 @@ def test_dq_carries_u_rounding_error_in_daqk_diagonal(kind):
 
 
 # The final state at strong decay is Kg^T V' over a document's last tokens, and V' = U there (W S has decayed):
-# U's bf16 rounding was its whole error (1.66e-3 at every constant gate from -5 down, FLA's the same: both store U
+# U's bf16 rounding alone is its whole error (1.66e-3 at every constant gate from -5 down, FLA's the same: both store U
 # in bf16). The chunk stage writes U - bf16(U) over each document's last chunk and the walk adds Kg^T of it: left
 # are that correction's own rounding (2^-9 of 2^-9) and the earlier tokens' roundings, decayed by e^g a token
 # (~1e-5 at -8). The bound is 16x below the error without the correction.
@@ -154,10 +154,10 @@ def test_final_state_carries_u_rounding_error_of_the_last_chunk(kind):
 # bf16 hi + lo (kda_fwd_chunk); dq's is dAqk's bf16 rounding (its in-chunk terms are not decayed away), lowered
 # by dAqk as hi + lo (kda_bwd_chunk writes lo, kda_bwd_gate adds it in rows(dAqk, K) and cols(dAqk, Q)).
 # Emulated on this test's case (bench/studies/kda_emulation.py --lens 1,63,64,65,1000,37 --heads 4 --seeds 12
-# --range; min - max, x 1e-3): arms fixed:gram_q=lean+gram_b=lean before, fixed after: unif-0.05 o 4.40-4.43 ->
+# --range; min - max, x 1e-3): arms fixed:gram_q=lean+gram_b=lean without them, fixed with them: unif-0.05 o 4.40-4.43 ->
 # 3.84-3.87, unif-0.5 o 3.64-3.70 -> 3.05-3.09 (the GPU measured ~0.02 above the emulation); arms fixed:daqk=bf16
-# before, fixed after: unif-0.05 dq 3.58-3.61 -> 3.26-3.29, unif-0.5 dq 2.80-2.83 -> 2.48-2.54. The bounds lie
-# between: the operands rounded twice and dAqk in bf16 alone fail them, the kernels now pass.
+# without lo, fixed with it: unif-0.05 dq 3.58-3.61 -> 3.26-3.29, unif-0.5 dq 2.80-2.83 -> 2.48-2.54. The bounds lie
+# between: the operands rounded twice and dAqk in bf16 alone fail them, the kernels pass.
 MILD = {"unif-0.05": {"o": 4.1e-3, "dq": 3.45e-3}, "unif-0.5": {"o": 3.35e-3, "dq": 2.68e-3}}
 
 
@@ -167,8 +167,8 @@ def test_o_and_dq_at_mild_gates_carry_aqk_operands_and_daqk_lo(kind):
 
 
 # dS as bf16 hi + lo in dV' = scale Aqk^T dO + Kg dS (kda_bwd_chunk). At strong gates a document's last token holds
-# ~98 % of ||dbeta||, and there dV' = k dS with dS the final-state gradient: in bf16 alone its rounding was that
-# token's largest error, and dbeta there missed bf16(ref), the nearest bf16 value, on ~40 % of the tokens
+# ~98 % of ||dbeta||, and there dV' = k dS with dS the final-state gradient: in bf16 alone its rounding would be that
+# token's largest error, and dbeta there would miss bf16(ref), the nearest bf16 value, on ~40 % of the tokens
 # (docs/numerics.md "dbeta's heavy tail"). Emulated on this test's case (bench/studies/dbeta_tail.py --lens
 # 1,63,64,65,1000,37 --heads 8 --seeds 12 --arms fixed:tape_dvp=none,fixed; min - max): the last tokens' share of
 # dbeta equal to bf16(ref) 0.46-0.69 -> 0.96-1.00, dv 2.30-2.42 -> 1.64-1.74 x 1e-3 (the GPU measured dv at

@@ -86,7 +86,7 @@ def test_chunked_backward_matches_autograd_with_resets(gen):
 def test_entering_decay_makes_a_floored_gate_exact_for_the_initial_state(gen, first):
     """The kernels floor g at kda.GATE_FLOOR; the op multiplies the initial state (and its gradient) by
     kda.entering_decay of each document's first token. With g floored the same way, the recurrence
-    then gives the unfloored dh0 and o to ~e^-20 relative (without the factor, dh0 was e^(-20 - g)
+    then gives the unfloored dh0 and o to ~e^-20 relative (without the factor, dh0 would be e^(-20 - g)
     too large where the first g is below the floor), and leaves everything unchanged above the floor."""
     from kda_aot.schedule.kda import GATE_FLOOR, entering_decay
     lens = [5, 70, 1]

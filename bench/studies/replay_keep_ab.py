@@ -1,6 +1,6 @@
 """A/B of what the replay's forward keeps (docs/backward.md, "Replay: what the forward keeps"): the shipped op,
 whose forward keeps tril(Aqk) and inv_pack for the replay's chunk stage, against the same op called without
-`keep` (the replay then forms Akk, Aqk and the inverse again, as the op did before 3c5e901).
+`keep` (the replay then forms Akk, Aqk and the inverse again).
 Interleaved CUDA-event medians of a training step and each arm's peak memory, per pack and call
 (bench/step_time.py's steps: `fla_layer` is FLA's layer call, `replay` the single suite's step).
 

@@ -226,7 +226,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
-    # a keyword only where the call needs it: the plain call's op call as it was
+    # a keyword only where the call needs it: the plain call passes the op its positional arguments alone
     kwargs = {"beta_kind": beta_kind} if beta_kind != kda.BETA_PLAIN else {}
     if wants_grad and backward != "saved":  # the replay's forward keeps tril(Aqk) and inv_pack (chunk_kda_ops.KEPT)
         kwargs["keep"] = True

@@ -29,8 +29,8 @@ struct Tensor {
   }
 };
 
-// No iostreams: on the GPU machine a binding that formatted with std::ostringstream segfaulted inside
-// torch's Python while plain std::string formatting worked (suspected: another libstdc++ loaded first).
+// No iostreams: std::ostringstream in a binding can crash inside torch's Python when another libstdc++ is
+// loaded first; plain std::string formatting does not touch the locale machinery.
 inline std::string join(const std::vector<int64_t>& v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);

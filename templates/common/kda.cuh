@@ -88,7 +88,7 @@ __device__ __forceinline__ float activated_gate(const GateChannel& c, float x) {
 
 // beta of token-major index i (t * H + h) as every program that reads it forms it: the logits' sigmoid in fp32 (FLA's
 // contract: its beta is the fp32 sigmoid, never rounded to bf16), in the gate's approx ops so that kda_fwd_chunk,
-// kda_bwd_chunk and kda_bwd_gate get the same bits; kBetaPlain reads bf16 beta as before.
+// kda_bwd_chunk and kda_bwd_gate get the same bits; kBetaPlain reads bf16 beta as it is.
 __device__ __forceinline__ float activated_beta(const KdaBeta& act, const uint16_t* beta, int64_t i) {
   const float x = act.logits_f32 ? act.logits_f32[i] : bf16_bits_to_float(beta[i]);
   if (act.kind == kBetaPlain) return x;
