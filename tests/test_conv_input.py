@@ -54,6 +54,18 @@ CASES = [
     ("cu rank", lambda x, w, b, cu, h: (x, w, b, cu[None], h), ValueError, r"cu_seqlens: expected shape \[N \+ 1\]"),
     ("x not a tensor", lambda x, w, b, cu, h: (x.tolist(), w, b, cu, h), TypeError, "x: expected a torch.Tensor"),
 ]
+# With no token (T = 0) no binding runs, and bad input is still named.
+EMPTY = lambda x, cu: (x[:, :0], torch.zeros_like(cu))  # noqa: E731
+CASES += [
+    ("empty x dtype", lambda x, w, b, cu, h: (EMPTY(x, cu)[0].float(), w, b, EMPTY(x, cu)[1], h), TypeError,
+     "x: expected dtype bfloat16"),
+    ("empty x D", lambda x, w, b, cu, h: (EMPTY(x, cu)[0][..., :12], w[:12], b[:12], EMPTY(x, cu)[1], h), ValueError,
+     "x: D must be a positive multiple of 8"),
+    ("empty weight", lambda x, w, b, cu, h: (EMPTY(x, cu)[0], w[:8], b, EMPTY(x, cu)[1], h), ValueError,
+     r"weight: expected shape \[D, 4\]"),
+    ("empty bias", lambda x, w, b, cu, h: (EMPTY(x, cu)[0], w, b[:8], EMPTY(x, cu)[1], h), ValueError,
+     r"bias: expected shape \[D\]"),
+]
 
 
 @pytest.mark.parametrize("name,mutate,exc,match", CASES, ids=[c[0] for c in CASES])

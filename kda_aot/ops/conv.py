@@ -26,9 +26,19 @@ def _check(x, weight, bias, halo, cu_seqlens):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x: expected shape [1, T, D], got {list(x.shape)}")
+    # the binding's own checks of x, weight and bias, here too: with no token (T = 0) no binding runs
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x: expected dtype bfloat16, got {str(x.dtype).replace('torch.', '')}")
+    D = x.shape[2]
+    if D < 1 or D % 8:
+        raise ValueError(f"x: D must be a positive multiple of 8 (16-byte rows), got {D}")
     for name, t in (("weight", weight), ("bias", bias)):  # any float: the kernels take them widened to fp32
         if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating-point dtype (float32, bfloat16, ...), got {t.dtype}")
+    if tuple(weight.shape) != (D, 4):
+        raise ValueError(f"weight: expected shape [D, 4] = [{D}, 4] (width-4 causal conv), got {list(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"bias: expected shape [D] = [{D}], got {list(bias.shape)}")
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device} but x is on {x.device}")
