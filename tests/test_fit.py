@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_aot.schedule import fit, plan
+from kda_aot.schedule import fit, grouping, plan
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +98,7 @@ def test_mixed_plans(monkeypatch):
     alternating = tuple([1000, 10] * 6)
     assert fit.mixed_makespan(alternating, 8, 132, {0, 2, 4, 6, 8, 10}, 0.62) == pytest.approx(620.0)
     assert fit.plan_walk("kda_fwd_walk", alternating, 8, 132, "auto") == (("full", 0, 12),)
-    assert fit.runs_of(["full", "split", "split", "full"]) == (("full", 0, 1), ("split", 1, 3), ("full", 3, 4))
+    assert grouping.runs_of(["full", "split", "split", "full"]) == (("full", 0, 1), ("split", 1, 3), ("full", 3, 4))
     # a mixed plan must beat the best uniform one by 5 % (its extra launches and stream fork/join):
     # 1000 vs 960 steps (4 %) stays uniform, 1000 vs 900 (10 %) goes mixed
     assert fit.mixed_makespan((1000, 960, 960), 32, 132, {0}, 0.62) == pytest.approx(960.0)
@@ -178,28 +178,28 @@ def test_a_gpu_without_a_table_runs_on_the_defaults(monkeypatch, tmp_path, caplo
 def test_pipeline_groups():
     """Up to four segments: one group each; more: four contiguous runs of about equal chunk totals;
     launch order longest walk first; one segment: no pipeline."""
-    assert fit.plan_pipeline((1585, 641, 1216, 465)) == ((0, 1), (2, 3), (1, 2), (3, 4))
-    assert fit.plan_pipeline((700,)) == ((0, 1),)
-    assert fit.plan_pipeline((1025, 193, 1563, 487, 625, 205)) == ((1, 3), (0, 1), (4, 6), (3, 4))
-    groups = fit.plan_pipeline([3] * 500)
+    assert grouping.plan_pipeline((1585, 641, 1216, 465)) == ((0, 1), (2, 3), (1, 2), (3, 4))
+    assert grouping.plan_pipeline((700,)) == ((0, 1),)
+    assert grouping.plan_pipeline((1025, 193, 1563, 487, 625, 205)) == ((1, 3), (0, 1), (4, 6), (3, 4))
+    groups = grouping.plan_pipeline([3] * 500)
     assert sorted(groups) == [(0, 125), (125, 250), (250, 375), (375, 500)]
     for lengths in ([5, 1, 1, 1, 1, 1, 1, 1, 9], [1] * 7, [100] + [1] * 20):
-        groups = sorted(fit.plan_pipeline(lengths))
-        assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and len(groups) <= fit.PIPELINE_GROUPS
+        groups = sorted(grouping.plan_pipeline(lengths))
+        assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and len(groups) <= grouping.PIPELINE_GROUPS
         assert all(a < b for a, b in groups) and all(x[1] == y[0] for x, y in zip(groups, groups[1:]))
 
 
 def test_pipeline_groups_with_segments_first():
     """CP senders (first=): each its own group, ahead of the others, whose groups are the plain runs
     with the senders taken out; every segment in exactly one group; the last group's pieces follow."""
-    assert fit.plan_pipeline((1584, 368), (1,)) == ((1, 2), (0, 1))  # Q1 contiguous CP2, rank 0
-    assert fit.plan_pipeline((1025, 193, 1563, 487, 625, 205), (3,)) == ((3, 4), (1, 3), (0, 1), (4, 6))
-    assert fit.plan_pipeline((1025, 193, 1563, 487, 625, 205), (0, 2)) == ((0, 1), (2, 3), (4, 6), (3, 4), (1, 2))
-    assert fit.plan_pipeline((700,), (0,)) == ((0, 1),)
-    assert fit.last_group_pieces((1584, 368), (1,)) == [0, 396, 792, 1188, 1584]
-    assert fit.last_group_pieces((1584, 368)) == [1584, 1676, 1768, 1860, 1952]
+    assert grouping.plan_pipeline((1584, 368), (1,)) == ((1, 2), (0, 1))  # Q1 contiguous CP2, rank 0
+    assert grouping.plan_pipeline((1025, 193, 1563, 487, 625, 205), (3,)) == ((3, 4), (1, 3), (0, 1), (4, 6))
+    assert grouping.plan_pipeline((1025, 193, 1563, 487, 625, 205), (0, 2)) == ((0, 1), (2, 3), (4, 6), (3, 4), (1, 2))
+    assert grouping.plan_pipeline((700,), (0,)) == ((0, 1),)
+    assert grouping.last_group_pieces((1584, 368), (1,)) == [0, 396, 792, 1188, 1584]
+    assert grouping.last_group_pieces((1584, 368)) == [1584, 1676, 1768, 1860, 1952]
     for lengths, first in (([5, 1, 1, 1, 1, 1, 1, 1, 9], (0, 4, 8)), ([1] * 7, (6,)), ([100] + [1] * 20, (3, 4))):
-        groups = fit.plan_pipeline(lengths, first)
+        groups = grouping.plan_pipeline(lengths, first)
         assert groups[:len(first)] == tuple((s, s + 1) for s in first)
         assert sorted(s for a, b in groups for s in range(a, b)) == list(range(len(lengths)))
 
@@ -217,7 +217,7 @@ def test_pipelined_walk_sms(monkeypatch):
     # Q1 at 32 heads: every walk restricted (20.30 ms forward; all on every SM: 23.44), the last one too
     # since it runs in pieces beside the others (every SM 13.98 ms, one per chain 13.64)
     q1 = (1585, 641, 1216, 465)
-    assert fit.last_group_pieces(q1) == [3442, 3558, 3674, 3790, 3907]
+    assert grouping.last_group_pieces(q1) == [3442, 3558, 3674, 3790, 3907]
     assert [fit.pipelined_walk_sms("kda_fwd_walk", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
     # on half the SMs (not measured: the rule's arithmetic) the forward's third walk (1,216 chunks, 465
     # after it) stays critical on all 66 beside the lean chunk stage's rest
@@ -243,7 +243,7 @@ def test_pipelined_walk_sms(monkeypatch):
     # CP: a pieced chain that is not the rank's last group starts its walk after its first piece, with the rest
     # of the chunk stage (its own later pieces included) beside it: one SM per chain (CP1 Q6, 8 pieces of 390
     # chunks: every SM measured B1 24.44 ms against forced full 20.78), in the replay (two walks) too
-    assert fit.first_piece_chunks(3125) == 390
+    assert grouping.first_piece_chunks(3125) == 390
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0, 1, (), 0) == 32
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 0, 2, (), 0) == 32
     assert fit.pipelined_walk_sms("kda_bwd_walk", q6, 32, 66, 0, 2, (), 0) == 32
@@ -259,7 +259,7 @@ def test_pipelined_walk_sms(monkeypatch):
     # one long document then 200 short ones, one head: the long walk gets every SM, the short runs
     # (walks of 40 chunks beside most of the chunk stage) keep their own SMs
     tail = (3000,) + (40,) * 200
-    assert fit.plan_pipeline(tail) == ((0, 1), (1, 64), (64, 133), (133, 201))
+    assert grouping.plan_pipeline(tail) == ((0, 1), (1, 64), (64, 133), (133, 201))
     assert [fit.pipelined_walk_sms("kda_fwd_walk", tail, 1, 132, i) for i in range(4)] == [132, 63, 69, 132]
     # a GPU without a table: every group's walk but the last keeps its own SMs
     monkeypatch.setattr(fit, "pipeline_params", lambda: {})
@@ -284,7 +284,7 @@ def test_summary_pieces():
     assert all(1 <= c <= fit.MAX_SUMMARY_PIECES for c in counts) and counts[0] > 1
     assert fit.summary_pieces((3000,), 1, 132) == (fit.MAX_SUMMARY_PIECES,)
     for n, p in ((1953, 4), (7, 3), (64, 1), (65, 2)):
-        lengths = fit.piece_lengths(n, p)
+        lengths = grouping.piece_lengths(n, p)
         assert sum(lengths) == n and len(lengths) == p and max(lengths) - min(lengths) <= 1
 
 
@@ -321,22 +321,22 @@ def test_pieced_group(kda_options):
     """One GPU: the last group when it is one segment; CP: the longest chain not deferred, a sent one too
     (also alone: no other group) with Options.cp_piece_senders (off by default until measured)."""
     kda_options(cp_piece_senders=True)
-    assert fit.pieced_group((1585, 641, 1216, 465)) == (3, fit.last_group_pieces((1585, 641, 1216, 465)))
-    assert fit.pieced_group((1584, 368), (1,), (), True) == (1, [198 * p for p in range(9)])  # CP2 Q1 rank 0
-    assert fit.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272 + 152 * p for p in range(9)])  # rank 1
-    assert fit.pieced_group((272, 1216, 465), (), (1,), True)[1][:2] == [1488, 1546]
-    assert fit.pieced_group((272, 40), (1,), (0,), True) == (0, [272 + 8 * p for p in range(6)])  # the sent one
-    assert fit.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (0, [128 * p for p in range(9)])  # Q3 zigzag
-    assert fit.pieced_group((272, 20, 10), (), (0,), True) == (1, [272, 282, 292])  # 2 pieces of >= 8 chunks
-    assert fit.pieced_group((272, 10), (), (0,), True) is None  # too short to cut
-    assert [fit.lead_pieces(n) for n in (2, 3, 8)] == [1, 1, 4]
-    assert fit.pieced_group((700,), (), (), True) == (0, [700 * p // 8 for p in range(9)])  # alone (Q2 rank 0)
-    assert fit.pieced_group((700,), (0,), (), True)[0] == 0
-    assert fit.pieced_group((272, 10), (1,), (0,), True) is None  # too short to cut
+    assert grouping.pieced_group((1585, 641, 1216, 465)) == (3, grouping.last_group_pieces((1585, 641, 1216, 465)))
+    assert grouping.pieced_group((1584, 368), (1,), (), True) == (1, [198 * p for p in range(9)])  # CP2 Q1 rank 0
+    assert grouping.pieced_group((272, 1216, 465), (), (0,), True) == (0, [272 + 152 * p for p in range(9)])  # rank 1
+    assert grouping.pieced_group((272, 1216, 465), (), (1,), True)[1][:2] == [1488, 1546]
+    assert grouping.pieced_group((272, 40), (1,), (0,), True) == (0, [272 + 8 * p for p in range(6)])  # the sent one
+    assert grouping.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (0, [128 * p for p in range(9)])  # Q3 zigzag
+    assert grouping.pieced_group((272, 20, 10), (), (0,), True) == (1, [272, 282, 292])  # 2 pieces of >= 8 chunks
+    assert grouping.pieced_group((272, 10), (), (0,), True) is None  # too short to cut
+    assert [grouping.lead_pieces(n) for n in (2, 3, 8)] == [1, 1, 4]
+    assert grouping.pieced_group((700,), (), (), True) == (0, [700 * p // 8 for p in range(9)])  # alone (Q2 rank 0)
+    assert grouping.pieced_group((700,), (0,), (), True)[0] == 0
+    assert grouping.pieced_group((272, 10), (1,), (0,), True) is None  # too short to cut
     kda_options(cp_piece_senders=False)            # the default rule
-    assert fit.pieced_group((272, 40), (1,), (0,), True) is None
-    assert fit.pieced_group((700,), (), (), True) is None
-    assert fit.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (1, [1218 + 625 * p // 8 for p in range(9)])
+    assert grouping.pieced_group((272, 40), (1,), (0,), True) is None
+    assert grouping.pieced_group((700,), (), (), True) is None
+    assert grouping.pieced_group((1024, 194, 625, 205), (0,), (1,), True) == (1, [1218 + 625 * p // 8 for p in range(9)])
 
 
 def test_the_gate_floor_is_the_kernels():

@@ -25,12 +25,12 @@ def test_b3_step_captures_and_replays_bitwise(monkeypatch, kda_options, mode, pl
     """plan: a mixed walk plan (launches forked onto side streams and joined) forced on every walk;
     pipeline: the pipelined forward and replay (Options.pipeline), the groups' walks on side streams;
     PIECED: the last group's chain walked in pieces (the handoff buffers, the replay's walks from both ends)."""
-    from kda_aot.schedule import fit
+    from kda_aot.schedule import fit, grouping
     kda_options(pipeline=pipeline == "1")
     if plan is not None:
         monkeypatch.setattr(fit, "plan_walk", lambda *args, **kw: plan)
     if lens is PIECED:
-        assert fit.last_group_pieces(tuple((n + 63) // 64 for n in lens)) is not None
+        assert grouping.last_group_pieces(tuple((n + 63) // 64 for n in lens)) is not None
     H = 4
     T, D = sum(lens), H * 128
     gen = rng(("graph", mode, plan, len(lens)))

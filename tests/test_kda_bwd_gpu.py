@@ -382,11 +382,11 @@ def test_pieced_replay_walks_are_bitwise_the_unpieced_ones(lens, init, skip):
     piece first; its forward walk through the pieces from the front, its backward walk from the back,
     each from its neighbour's end state; 47 chunks: 5 pieces, 32: 4) writes the bits of the unpieced
     order, the skipped backward walk (skip_bwd) left out alike; the pieced run's tensors allocated over NaN."""
-    from kda_aot.schedule import fit
+    from kda_aot.schedule import grouping
     from kda_aot.schedule.backward import replay_walks_pipelined
     from test_kda_fwd_gpu import nan_filled_allocator
     lengths = tuple(-(-n // 64) for n in lens)
-    chosen = fit.pieced_group(lengths, cp=True)
+    chosen = grouping.pieced_group(lengths, cp=True)
     assert chosen is not None and len(chosen[1]) > 4, "the pack must cut a chain in pieces"
     longest = lengths.index(max(lengths))
     skip_bwd = (longest,) if skip else ()

@@ -210,7 +210,7 @@ def nan_filled_allocator(nbytes=1 << 30):
     del x
 
 
-# + a pack whose last pipeline group is one segment of 35 chunks: cut in four pieces (fit.last_group_pieces)
+# + a pack whose last pipeline group is one segment of 35 chunks: cut in four pieces (grouping.last_group_pieces)
 PIPELINE_PACKS = dict(CHAIN_PACKS, pieces=[3000, 2200])
 
 

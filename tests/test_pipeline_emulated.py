@@ -318,7 +318,7 @@ def test_every_replay_order_gives_the_same_bits(kda_options, emulated, monkeypat
 @pytest.mark.parametrize("lens", [[40] * 30 + [900, 5], [64 * 60, 64 * 50 + 3, 64 * 40, 64 * 33 - 1], [3000, 2200]],
                          ids=["32", "4-last-in-pieces", "2-last-in-pieces"])
 def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
-    """The pipelined forward, the last group's segment cut in pieces (fit.last_group_pieces; each
+    """The pipelined forward, the last group's segment cut in pieces (grouping.last_group_pieces; each
     piece's walk starts from the end state of the one before), gives the plain order's bits."""
     _nan_empty(monkeypatch)
     q, k, v, g, beta, cu, h0, _, _ = _inputs(lens, 2, SEED + 3)
@@ -417,7 +417,7 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
     context, D and every gradient bitwise. skip: the remote segments' first backward walk left out
     (replay_pipelined(skip_bwd=): what the CP op does for fragments whose D nobody wants; their rows
     stay NaN-poisoned, so a gradient that read them fails). `pieced`: a 35-chunk chain walked in pieces
-    (fit.pieced_group), both walks through them from their ends; `pieced-remote`: that chain remote."""
+    (grouping.pieced_group), both walks through them from their ends; `pieced-remote`: that chain remote."""
     monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_aot.schedule import fit
+from kda_aot.schedule import grouping
 from kda_aot.schedule.plan import forward_plan, replay_plan
 
 Q1 = (1585, 641, 1216, 465)          # chunks per document of bench pack Q1
@@ -27,7 +27,7 @@ def covered(plan):
 def test_forward_plans_cover_every_chunk_once(lengths):
     plan = forward_plan(lengths, 32, 132)
     covered(plan)
-    assert plan.groups == tuple(fit.plan_pipeline(lengths))
+    assert plan.groups == tuple(grouping.plan_pipeline(lengths))
     assert len(dict(plan.walk_sms)["kda_fwd_walk"]) == len(plan.groups)
 
 
@@ -36,7 +36,7 @@ def test_q1_forward_plan():
     plan = forward_plan(Q1, 32, 132)
     assert plan.groups == ((0, 1), (2, 3), (1, 2), (3, 4))
     pieces = plan.pieces
-    assert pieces.group == 3 and list(pieces.bounds) == fit.last_group_pieces(Q1)
+    assert pieces.group == 3 and list(pieces.bounds) == grouping.last_group_pieces(Q1)
     assert plan.launches == ((0, None), (1, None), (2, None)) + tuple((3, p) for p in pieces.order)
     assert pieces.order == tuple(range(len(pieces.bounds) - 1))  # each piece walked right after its chunk stage
     text = plan.explain()
@@ -49,7 +49,7 @@ def test_cp_forward_plan_leads_with_the_critical_pieces():
     covered(plan)
     pieces = plan.pieces
     assert pieces is not None and pieces.group != plan.groups.index((1, 2))
-    h = fit.lead_pieces(len(pieces.order))
+    h = grouping.lead_pieces(len(pieces.order))
     assert plan.launches[:h] == tuple((pieces.group, p) for p in range(h))
     assert plan.launches[h] == (plan.groups.index((1, 2)), None)    # the sender right after
     assert plan.first == (1,)
@@ -190,7 +190,7 @@ def test_cp_rank_plans_of_every_layout(pack, layout, world):
 
 def test_plans_are_cached_per_key_and_immutable(kda_options):
     """The same key gives the same plan object (lengths as any sequence); other lengths, heads, SMs, roles or
-    Options.cp_piece_senders (which fit.pieced_group reads) give another; a plan and its nodes are frozen."""
+    Options.cp_piece_senders (which grouping.pieced_group reads) give another; a plan and its nodes are frozen."""
     import dataclasses
     plan = forward_plan(Q1, 32, 132)
     assert forward_plan(list(Q1), 32, 132) is plan and hash(plan) == hash(forward_plan(Q1, 32, 132))

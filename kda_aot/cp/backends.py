@@ -61,7 +61,7 @@ import torch
 
 from .. import options, reference
 from .._runtime.tensor import host_table_to
-from ..schedule import backward as kda_backward, fit, kda as kda_schedule
+from ..schedule import backward as kda_backward, fit, grouping, kda as kda_schedule
 from .summaries import compose_pieces
 
 __all__ = ["ReferenceBackend", "CudaBackend", "get_backend"]
@@ -183,7 +183,7 @@ class CudaBackend:
         for segment, _ in requests:  # a segment's pieces are consecutive: its chunk rows in order
             rows.append(torch.arange(first[segment], first[segment + 1]))
             counts.append(planned[segment])
-            for n in fit.piece_lengths(lengths[segment], planned[segment]):
+            for n in grouping.piece_lengths(lengths[segment], planned[segment]):
                 bounds.append(bounds[-1] + n)
                 pieces.append(n)
         sel = host_table_to(torch.cat(rows), device)

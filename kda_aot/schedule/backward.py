@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from . import execute, fit, kda
+from . import execute, fit, grouping, kda
 from .. import options
 from ..reference.kda import sum_value_head_groups
 from .._runtime import registry
@@ -219,7 +219,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
         try:
             with torch.cuda.stream(side):
                 walk_again(sms)
-            for inside, a, b in fit.runs_of([s not in rewalk for s in range(len(lengths))]):
+            for inside, a, b in grouping.runs_of([s not in rewalk for s in range(len(lengths))]):
                 if inside:
                     launch_bwd_chunk(t, form, first[a], first[b])
         finally:
@@ -382,7 +382,7 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
-    pieced (context parallelism): the longest chain's chunk stage a piece at a time (fit.pieced_group),
+    pieced (context parallelism): the longest chain's chunk stage a piece at a time (grouping.pieced_group),
     first and last piece first, then the second and the last but one, ...: its forward walk goes
     through the pieces from the front, its backward walk from the back, each piece from its neighbour's
     end state (fp32, stored and loaded exactly: bitwise the one walk), so both start after one piece's

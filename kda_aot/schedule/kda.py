@@ -356,7 +356,7 @@ def chunk_kda_fwd(q, k, v, g, beta, *, cu_seqlens, scale=None, initial_state=Non
     auto = the fit rule). want_output=False: the walk skips the output stage (the replay
     backward and the CP summaries need the tape and states only; bitwise the same).
     pipeline: run the chunk stage a segment group at a time, each group's walk beside the chunk
-    stage of the groups after it (fit.plan_pipeline; bitwise the same). Default: Options.pipeline.
+    stage of the groups after it (grouping.plan_pipeline; bitwise the same). Default: Options.pipeline.
     gate: a GateActivation (g the raw gate; the chunk stage forms the log decay). beta_kind: one of BETA_KINDS
     (beta the logits with BETA_SIGMOID, BETA_SIGMOID_2). keep: saved also holds what the replay backward reads
     from the forward (aqk, inv_pack: _chunk_stage_tensors)."""
@@ -451,7 +451,7 @@ def segments_view(prepared: dict, first: int, end: int) -> dict:
 
 
 def piece_view(prepared: dict, segment: int, chunks: torch.Tensor, bounds, p: int) -> dict:
-    """`prepared` seen as piece p of its one segment `segment`, cut at chunk `bounds` (fit.pieced_group;
+    """`prepared` seen as piece p of its one segment `segment`, cut at chunk `bounds` (grouping.pieced_group;
     `chunks`: the same bounds on the device, int32): a walk over it starts from the piece before's end
     state."""
     t = dict(segments_view(prepared, segment, segment + 1), seg_chunks=chunks[p:p + 2],

@@ -10,7 +10,7 @@ its `nodes` are what the executor (execute.py) runs, one kind of node to one lau
                                                       bwd_chunk=True, kda_bwd_chunk after each group's walks
     print(plan) / plan.explain()                      the schedule, one node a line
 
-Decisions come from the fit rule (fit.plan_pipeline, fit.pieced_group, fit.pipelined_walk_sms); the
+Decisions come from the fit rule (grouping.plan_pipeline, grouping.pieced_group, fit.pipelined_walk_sms); the
 plan only puts them in one place and in launch order.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
-from . import fit
+from . import fit, grouping
 from .. import options
 
 # The walk programs each plan kind runs beside its chunk stage, and how many walks share the GPU.
@@ -41,7 +41,7 @@ class Pieces:
 
 def segment_runs(segments, n: int) -> list:
     """[(a, b), ...]: the maximal runs of consecutive segments of `segments` (a set of 0 .. n - 1)."""
-    return [(a, b) for inside, a, b in fit.runs_of([s in segments for s in range(n)]) if inside]
+    return [(a, b) for inside, a, b in grouping.runs_of([s in segments for s in range(n)]) if inside]
 
 
 def walks_ready(order, n: int) -> tuple:
@@ -210,7 +210,7 @@ class PipelinePlan:
     chain_lengths: Tuple[int, ...]             # chunks per segment
     heads: int
     sms: int                                   # the SMs the walks are planned on
-    groups: Tuple[Tuple[int, int], ...]        # segment ranges (first, end), fit.plan_pipeline's order
+    groups: Tuple[Tuple[int, int], ...]        # segment ranges (first, end), grouping.plan_pipeline's order
     launches: Tuple[Tuple[int, Optional[int]], ...]  # (group, piece or None) in launch order
     pieces: Optional[Pieces]
     walk_sms: Tuple[Tuple[str, Tuple[int, ...]], ...]  # (program, SMs of each group's walk)
@@ -262,7 +262,7 @@ class PipelinePlan:
 
 def _launch_order(groups, pieces: Optional[Pieces], first: tuple, lead: bool) -> tuple:
     """(group, piece or None) in launch order. The pieced group's pieces go where the group would, or
-    (lead, context parallelism) its first fit.lead_pieces pieces ahead of every other group and the
+    (lead, context parallelism) its first grouping.lead_pieces pieces ahead of every other group and the
     rest right after the groups of the `first` segments."""
     launches = [(i, None) for i in range(len(groups))]
     if pieces is None:
@@ -271,7 +271,7 @@ def _launch_order(groups, pieces: Optional[Pieces], first: tuple, lead: bool) ->
     cut = [(k, p) for p in pieces.order]
     rest = [x for x in launches if x != (k, None)]
     if lead:
-        h = fit.lead_pieces(len(cut))
+        h = grouping.lead_pieces(len(cut))
         senders = sum(1 for i, _ in rest if groups[i][0] in first)  # their groups lead `rest`
         return tuple(cut[:h] + rest[:senders] + cut[h:] + rest[senders:])
     return tuple(rest[:k] + cut + rest[k:])
@@ -386,14 +386,14 @@ def _segments(segments) -> tuple:
 
 def _planner_reads(cp: bool) -> tuple:
     """What the planner reads besides its arguments, part of the cache key: the GPU's fit table and, for
-    context parallelism, Options.cp_piece_senders (fit.pieced_group)."""
+    context parallelism, Options.cp_piece_senders (grouping.pieced_group)."""
     return str(fit.params_file()), bool(options.current().cp_piece_senders) if cp else None
 
 
 def forward_plan(chain_lengths, heads: int, sms: int, *, first=(), deferred=(), cp: bool = False,
                  summarised=None, exchange_beside: bool = False) -> PipelinePlan:
     """The pipelined forward: the chunk stage a group at a time, each group's forward walk beside the
-    later groups' chunk stage; one group's segment in pieces (fit.pieced_group: one GPU, the last group;
+    later groups' chunk stage; one group's segment in pieces (grouping.pieced_group: one GPU, the last group;
     CP, the rank's longest chain not deferred, whose first pieces lead). cp: the plan ends in the exchange
     node (Exchange, RunExchange) that walks the `deferred` segments; summarised (default: all deferred) the
     deferred segments whose chunk stage the exchange's summaries read, exchange_beside its stream. Cached:
@@ -406,8 +406,8 @@ def forward_plan(chain_lengths, heads: int, sms: int, *, first=(), deferred=(), 
 @functools.lru_cache(maxsize=1024)
 def _forward_plan(lengths: tuple, heads: int, sms: int, first: tuple, deferred: tuple, cp: bool,
                   summarised: Optional[tuple], beside: bool, reads: tuple) -> PipelinePlan:
-    groups = tuple(fit.plan_pipeline(lengths, first))
-    chosen = fit.pieced_group(lengths, first, deferred, cp)
+    groups = tuple(grouping.plan_pipeline(lengths, first))
+    chosen = grouping.pieced_group(lengths, first, deferred, cp)
     pieces = None if chosen is None else Pieces(chosen[0], tuple(chosen[1]), tuple(range(len(chosen[1]) - 1)))
     pieced = -1 if pieces is None else pieces.group
     sms_of = tuple(fit.pipelined_walk_sms("kda_fwd_walk", lengths, heads, sms, i, 1, first, pieced)
@@ -444,9 +444,9 @@ def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False, sk
 @functools.lru_cache(maxsize=1024)
 def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: tuple, bwd_chunk: bool,
                  reads: tuple) -> PipelinePlan:
-    groups = tuple(fit.plan_pipeline(lengths))
+    groups = tuple(grouping.plan_pipeline(lengths))
     half = max(1, sms // 2)
-    chosen = fit.pieced_group(lengths, cp=True) if pieced else None
+    chosen = grouping.pieced_group(lengths, cp=True) if pieced else None
     pieces = None
     if chosen is not None:
         n = len(chosen[1]) - 1
