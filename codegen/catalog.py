@@ -123,21 +123,16 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 8, "min_blocks": 2,
                    "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 4},
            select="q and k of PackedKDA with qk_l2norm (head dim 128)", grid=_BWD_GRID),
-    # Variants kept to measure against the shipped form (docs/conv.md) and to check it bitwise.
-    Record(program=_FWD, form="c8",
-           params={"threads": 256, "tokens_per_thread": 64, "channels": 8, "unroll": 4, "min_blocks": 1,
-                   "l2norm": False},
-           select=_VARIANT, grid=_CONV_GRID, shipped=False),
-    Record(program=_BWD, form="u4",
-           params={"threads": 128, "tokens_per_thread": 256, "channels": 4, "unroll": 4, "min_blocks": 3,
-                   "reduce_threads": 256, "l2norm": False},
-           select=_VARIANT, grid=_BWD_GRID, shipped=False),
     # Short tiles put a tile edge every few tokens: bitwise checks against the shipped form prove the
     # tile-edge and document-edge logic of the window walk.
     Record(program=_FWD, form="short_tiles",
            params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 2, "min_blocks": 1,
                    "l2norm": False},
            select=_VARIANT, grid=_CONV_GRID, shipped=False),
+    Record(program=_BWD, form="short_tiles",
+           params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 3, "min_blocks": 1,
+                   "reduce_threads": 128, "l2norm": False},
+           select=_VARIANT + " (dweight/dbias differ in summation order only)", grid=_BWD_GRID, shipped=False),
     # The l2norm forms with a tile edge every few tokens and one row per norm batch: bitwise checks against
     # the shipped l2norm forms prove that their rows' head sums taken side by side in batches (interior)
     # give what one row at a time gives (edges).
@@ -243,10 +238,6 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     Record(program="l2norm_bwd", form="default", params={"threads": 256, "rows_per_group": 2},
            select="always (PackedKDA's qk_l2norm and chunk_kda's use_qk_l2norm_in_kernel on the GPU)",
            grid="min(ceil(rows / 2 / 16), 2^20) CTAs of 256 threads; 16 lanes per row, grid-stride",),
-    Record(program=_BWD, form="short_tiles",
-           params={"threads": 128, "tokens_per_thread": 5, "channels": 8, "unroll": 3, "min_blocks": 1,
-                   "reduce_threads": 128, "l2norm": False},
-           select=_VARIANT + " (dweight/dbias differ in summation order only)", grid=_BWD_GRID, shipped=False),
 )
 
 
