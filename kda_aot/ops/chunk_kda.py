@@ -108,7 +108,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     [HV * K] is optional (zero when not given). beta: bf16, or with use_beta_sigmoid_in_kernel the logits b: sigmoid(b) (2 sigmoid(b) with
     allow_neg_eigval). use_qk_l2norm_in_kernel: q and k L2-normalised per head first (differentiably).
     safe_gate: FLA's hint that gates are bounded (with use_gate_in_kernel it needs lower_bound in
-    [-5, 0)); our kernels are exact for every g <= 0 and need no hint.
+    [-5, 0)); our kernels are exact for every g <= 0 and need no hint. Without use_gate_in_kernel, safe_gate
+    and lower_bound have nothing to act on and are not used (as in FLA).
     backward (ours): "replay" keeps the inputs and each chunk's tril(Aqk) and (I + L)^-1 (256 bytes a token-head,
     as FLA's default keeps its Aqk and Akk) and reruns the rest of the forward kernels in the backward (a
     head group at a time when memory is short); "saved" keeps the tape and the chunk intermediates,
