@@ -21,6 +21,12 @@ BOUND = {"b": 5e-2, "A_log": 1e-4}  # dA_log: da_log_error's measure
 LENS = [1, 63, 64, 65, 700, 37]
 
 
+def on_cpu_f64(x: dict) -> dict:
+    """x's tensors on the CPU, the floating ones in fp64 (boundaries stay integers)."""
+    return {n: ((t.double() if t.is_floating_point() else t).cpu() if isinstance(t, torch.Tensor) else t)
+            for n, t in x.items()}
+
+
 def rel_rms(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -68,7 +74,7 @@ def test_fla_call_on_the_kernels(H, HV, lower_bound, neg, v_first):
     x = cuda_inputs(H, HV, ("gpu", HV, lower_bound, neg))
     kw = dict(lower_bound=lower_bound, safe_gate=lower_bound is not None, allow_neg_eigval=neg, state_v_first=v_first)
     o, s, grads = run(x, **kw)
-    cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    cpu = on_cpu_f64(x)
     cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
     eo, es, egrads, act = expected(cpu, lower_bound=lower_bound, neg=neg, v_first=v_first, activated=True)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -144,7 +150,7 @@ def test_sigmoid_gate_in_the_kernels(lower_bound, with_a_log):
         return o, s, {n: leaves[n].grad.clone() for n in names}
     o, s, grads = call("replay")
     assert_as_the_torch_activation(x, o, s, grads, lower_bound)
-    cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    cpu = on_cpu_f64(x)
     cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
     if not with_a_log:
         cpu["A_log"] = None
@@ -170,7 +176,7 @@ def test_gate_in_the_kernels_against_the_torch_activation(strong):
         x["A_log"] = x["A_log"] + 3.0
     o, s, grads = run(x)
     assert_as_the_torch_activation(x, o, s, grads, None)
-    cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    cpu = on_cpu_f64(x)
     cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
     eo, es, egrads, act = expected(cpu, lower_bound=None, neg=False, v_first=False, activated=True)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -295,7 +301,7 @@ def test_beta_sigmoid_in_the_kernels(kda_options, monkeypatch, neg, logits_dtype
 
     b = x["b"].to(logits_dtype)
     o, s, grads = call(b, mode, True)
-    cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    cpu = on_cpu_f64(x)
     cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
     cpu["b"] = b.float().cpu()
     eo, es, egrads = expected_precomputed_gate(cpu, neg)
