@@ -40,7 +40,7 @@ from ._runtime import registry
 from ._runtime.packing import host_copy
 from ._runtime.tensor import check_cu_seqlens
 from .ops.chunk_kda import chunk_kda
-from .ops.conv import WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
+from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
 from .schedule.kda import HEAD_DIM, MAX_HEADS
 
 BACKEND_TYPE = "kda_aot"
@@ -155,8 +155,8 @@ def conv_fwd_verify(x, weight, bias=None, residual=None, initial_state=None, out
     D = x.shape[-1]
     if D % 8:
         return False, f"D = {D} (kda_aot's conv: a multiple of 8)"
-    if tuple(weight.shape) != (D, WIDTH) or not weight.is_floating_point():
-        return False, f"weight {weight.dtype} of shape {list(weight.shape)} (kda_aot's conv: width {WIDTH}, [D, 4])"
+    if tuple(weight.shape) != (D, CONV_WIDTH) or not weight.is_floating_point():
+        return False, f"weight {weight.dtype} of shape {list(weight.shape)} (kda_aot's conv: width {CONV_WIDTH}, [D, 4])"
     if bias is not None and (tuple(bias.shape) != (D,) or not bias.is_floating_point()):
         return False, f"bias of shape {list(bias.shape)} (kda_aot's conv: [D])"
     if residual is not None or initial_state is not None:
@@ -221,7 +221,7 @@ def conv_fwd(x, weight, bias=None, residual=None, initial_state=None, output_fin
     y = conv1d_silu_fwd_op(packed, weight, bias, None, cu, "default").view(x.shape)
     final_state = None
     if output_final_state:  # FLA's state layout: its own helper
-        final_state = fla_conv_final_state(x=x, state_len=WIDTH, initial_state=None, cu_seqlens=cu_seqlens)
+        final_state = fla_conv_final_state(x=x, state_len=CONV_WIDTH, initial_state=None, cu_seqlens=cu_seqlens)
     return y, final_state
 
 

@@ -26,7 +26,7 @@ from .cp.halo import CudaConv, ReferenceConv, _conv_cp
 from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
 from .ops.chunk_kda import check_cu_seqlens_cpu
-from .ops.norm import WIDTH, l2norm_torch
+from .ops.norm import HEAD_DIM, l2norm_torch
 
 __all__ = ["PackedKDA"]
 
@@ -129,7 +129,7 @@ class PackedKDA(nn.Module):
     # ------------------------------------------------------------------ pieces
     def _fused_norm(self, backend: str) -> bool:
         """q and k normalised inside their conv (the CUDA backend's l2norm conv form, heads of 128)."""
-        return backend == "cuda" and self.qk_l2norm and self.head_dim == WIDTH
+        return backend == "cuda" and self.qk_l2norm and self.head_dim == HEAD_DIM
 
     def _conv_ops(self, x, backend: str):
         """(single-device conv(x, weight, bias, cu_seqlens, l2norm), the CP conv's ops for q, k, v)."""

@@ -13,9 +13,9 @@ import torch
 
 from .._runtime import registry
 from .._runtime.tensor import describe, out_or, require_cuda, stream_of
-from .._runtime.packing import PLANNED_FROM_HOST, pack_tables
+from ..reference.conv import CONV_WIDTH
+from .._runtime.packing import HEAD_DIM, PLANNED_FROM_HOST, pack_tables
 
-WIDTH = 4
 
 
 def _check(x, weight, bias, halo, cu_seqlens):
@@ -78,7 +78,7 @@ def conv1d_silu_backward(x, weight, bias, cu_seqlens, dy, halo=None, *, need_dha
     N = cu_seqlens.numel() - 1
     out = dict(out or {})
     dx = out_or(out, "dx", lambda: torch.empty_like(x))
-    dweight = out_or(out, "dweight", lambda: torch.empty(D, WIDTH, device=x.device, dtype=torch.float32))
+    dweight = out_or(out, "dweight", lambda: torch.empty(D, CONV_WIDTH, device=x.device, dtype=torch.float32))
     dbias = (out_or(out, "dbias", lambda: torch.empty(D, device=x.device, dtype=torch.float32))
              if bias is not None else None)
     dhalo = None
@@ -155,14 +155,13 @@ def _backward(ctx, dy):
 conv1d_silu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-NORM_HEAD = 128  # the l2norm forms normalise 128-channel heads (one warp of 4-channel threads each)
 
 
 def conv_form(x: torch.Tensor, l2norm: bool) -> str:
     """The conv record for x: "l2norm" (the per-head L2 norm fused; D a multiple of 128) or "default"."""
-    if l2norm and (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] % NORM_HEAD):
-        raise ValueError(f"causal_conv1d_silu(l2norm=True): D must be a multiple of {NORM_HEAD} (heads of "
-                         f"{NORM_HEAD} channels), got {x.shape[-1]}")
+    if l2norm and (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] % HEAD_DIM):
+        raise ValueError(f"causal_conv1d_silu(l2norm=True): D must be a multiple of {HEAD_DIM} (heads of "
+                         f"{HEAD_DIM} channels), got {x.shape[-1]}")
     return "l2norm" if l2norm else "default"
 
 

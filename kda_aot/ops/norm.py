@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from .._runtime import registry
+from .._runtime.packing import HEAD_DIM
 from .._runtime.tensor import describe, out_or, require_cuda, stream_of
 
 L2NORM_EPS = 1e-6
-WIDTH = 128
 
 
 def l2norm_torch(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -82,8 +82,8 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     strides."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1 or x.shape[-1] != WIDTH:
-        raise ValueError(f"x: expected shape [..., {WIDTH}] (one head per row), got {list(x.shape)}")
+    if x.dim() < 1 or x.shape[-1] != HEAD_DIM:
+        raise ValueError(f"x: expected shape [..., {HEAD_DIM}] (one head per row), got {list(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
     if not float(eps) > 0:

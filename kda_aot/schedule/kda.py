@@ -22,9 +22,8 @@ from .plan import forward_plan
 from .. import options
 from .._runtime import registry
 from .._runtime.tensor import describe, out_or, stream_of
-from .._runtime.packing import CHUNK, PackTables, pack_tables
+from .._runtime.packing import CHUNK, HEAD_DIM, PackTables, pack_tables
 
-HEAD_DIM = 128
 MAX_HEADS = 64
 GATE_FLOOR = -20.0  # every program sums max(g, GATE_FLOOR) (templates/common/kda.h: -kGateFloor)
 
