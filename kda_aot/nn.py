@@ -19,13 +19,13 @@ from torch import nn
 
 from . import reference
 from ._runtime import registry
-from ._runtime.tensor import boundaries_tensor, checked_scale, require_cuda
+from ._runtime.tensor import boundaries_tensor, check_cu_seqlens_cpu, checked_scale, require_cuda
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
-from .cp.ops import BACKWARD_MODES, chunk_kda_cp_agreed, kda_config
+from .cp.ops import chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
-from .ops.chunk_kda import check_cu_seqlens_cpu
+from .ops.chunk_kda import BACKWARD_MODES, chunk_kda
 from .ops.norm import HEAD_DIM, l2norm_torch
 
 __all__ = ["PackedKDA"]
@@ -33,12 +33,21 @@ __all__ = ["PackedKDA"]
 BACKENDS = ("auto", "reference", "cuda")
 
 
-def resolve_backend(backend: str, x: torch.Tensor, head_dim: int = 128) -> str:
-    """The backend a call runs on: "auto" resolves by the inputs (kda_aot.registry.auto_backend) and the head
-    dim (the kernels' is 128: another runs on the reference)."""
-    if backend != "auto":
-        return backend
-    return registry.auto_backend(x) if head_dim == 128 else "reference"
+def resolve_backend(backend: str, x: torch.Tensor, head_dim: int = HEAD_DIM) -> str:
+    """The backend a call runs on: "auto" resolves by the inputs and the head dim (kda_aot.registry.auto_backend)."""
+    return registry.auto_backend(x, head_dim) if backend == "auto" else backend
+
+
+def _flag(name: str, value) -> bool:
+    """A switch given as a bool, or as what configs carry for one (0 / 1, numpy's bool); nothing else (a
+    string such as "no" would be truthy)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
+        return bool(value)
+    if not isinstance(value, float) and hasattr(type(value), "__index__") and operator.index(value) in (0, 1):
+        return bool(operator.index(value))
+    raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 class PackedKDA(nn.Module):
@@ -67,9 +76,7 @@ class PackedKDA(nn.Module):
                 raise TypeError(f"{name}: expected an int, got {value!r}")
             if operator.index(value) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
-        for name, value in (("conv_bias", conv_bias), ("qk_l2norm", qk_l2norm)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name}: expected a bool, got {value!r}")
+        conv_bias, qk_l2norm = _flag("conv_bias", conv_bias), _flag("qk_l2norm", qk_l2norm)
         self.num_heads, self.head_dim = operator.index(num_heads), operator.index(head_dim)
         self.qk_l2norm, self.backward_mode, self.backend = qk_l2norm, backward, backend
         D = self.num_heads * self.head_dim
@@ -203,7 +210,7 @@ class PackedKDA(nn.Module):
         scale = checked_scale(scale, self.head_dim)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
         backend = resolve_backend(self.backend, q, self.head_dim)
-        if backend == "cuda" and self.head_dim != 128:
+        if backend == "cuda" and self.head_dim != HEAD_DIM:
             # before the conv and before any collective: every rank raises
             raise ValueError(f"PackedKDA(backend='cuda'): head_dim must be 128, got {self.head_dim}")
         if backend == "cuda":
@@ -214,7 +221,6 @@ class PackedKDA(nn.Module):
         host = cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu
         qc, kc, vc = self._conv_qkv(q, k, v, host, None, None, backend)
         if backend == "cuda":
-            from .ops.chunk_kda import chunk_kda
             o, final = chunk_kda(qc, kc, vc, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                                  initial_state=initial_state, output_final_state=output_final_state,
                                  backward=self.backward_mode)

@@ -3,12 +3,13 @@ Triton, so its files are read, not imported: chunk_kda's signature from chunk.py
 references (naive_kda_gate and naive_kda_lowerbound_gate in gate.py, naive_recurrent_kda in naive.py) compiled
 alone from their source. The other CPU tests check kda_aot against FLA's formulas as we wrote them down
 (tests/reftools.py); these check those formulas, and kda_aot.chunk_kda's whole FLA call, against FLA's code.
-The source: the installed fla-core when it is 0.6.0, else its wheel in the checkout's .whl/ (scripts/setup_env.sh
-downloads it)."""
+The source: the installed fla-core when it is 0.6.0, else its wheel in the checkout's .whl/ (scripts/test.sh
+downloads it; CI sets KDA_AOT_REQUIRE_FLA=1, which makes a missing source a failure, not a skip)."""
 import ast
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import zipfile
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def fla_file(relpath: str) -> str:
         return (package / relpath).read_text()
     wheel = _wheel()
     if wheel is None:
-        pytest.skip(f"fla-core {FLA_VERSION} is neither installed nor in .whl/ (scripts/setup_env.sh downloads it)")
+        missing = f"fla-core {FLA_VERSION} is neither installed nor in .whl/ (scripts/test.sh downloads it)"
+        if os.environ.get("KDA_AOT_REQUIRE_FLA") == "1":
+            pytest.fail(missing + "; KDA_AOT_REQUIRE_FLA=1 asks for it")
+        pytest.skip(missing)
     with zipfile.ZipFile(wheel) as z:
         return z.read(f"fla/{relpath}").decode()
 

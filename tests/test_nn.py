@@ -153,10 +153,14 @@ def test_argument_errors():
                                  ((2, "8"), {}, TypeError, "head_dim: expected an int"),
                                  ((0, 8), {}, ValueError, "num_heads: must be >= 1, got 0"),
                                  ((2, 8), dict(conv_bias="no"), TypeError, "conv_bias: expected a bool, got 'no'"),
-                                 ((2, 8), dict(qk_l2norm=1), TypeError, "qk_l2norm: expected a bool, got 1")):
+                                 ((2, 8), dict(qk_l2norm=2), TypeError, "qk_l2norm: expected a bool, got 2"),
+                                 ((2, 8), dict(qk_l2norm=1.0), TypeError, "qk_l2norm: expected a bool, got 1.0")):
         with pytest.raises(err, match=match):
             PackedKDA(*args, **kw)
     assert PackedKDA(torch.tensor(2), 8).num_heads == 2  # an integer of any kind
+    # a switch as configs carry it: 0 / 1 (argparse, JSON) or a numpy / torch bool
+    assert PackedKDA(2, 8, conv_bias=1, qk_l2norm=0).qk_l2norm is False and PackedKDA(2, 8, conv_bias=1).q_conv_bias is not None
+    assert PackedKDA(2, 8, qk_l2norm=torch.tensor(True)).qk_l2norm is True
     # cu_seqlens_cpu is cu_seqlens' CPU copy: the conv and KDA read the same boundaries or the call refuses
     with pytest.raises(ValueError, match="cu_seqlens_cpu: must hold cu_seqlens' values"):
         m(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 2, 8]))

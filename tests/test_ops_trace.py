@@ -149,14 +149,18 @@ def test_auto_backend_without_a_gpu_is_the_reference():
 
 
 def test_auto_backend_takes_the_reference_for_another_head_dim(monkeypatch):
-    """On a GPU the kernels serve, "auto" still runs a head dim other than 128 on the reference (the kernels'
-    is 128; "cuda" asked for explicitly refuses it)."""
+    """On a GPU the kernels serve, "auto" still runs a head dim other than 128 on the reference, for PackedKDA
+    and the CP ops alike (registry.auto_backend decides for both; "cuda" asked for explicitly refuses it)."""
     from kda_aot._runtime import registry
+    from kda_aot.cp import get_backend
     from kda_aot.nn import resolve_backend
-    monkeypatch.setattr(registry, "auto_backend", lambda x: "cuda")  # what a served GPU's bf16 input gets
-    x = torch.zeros(1)
+    monkeypatch.setattr(registry, "serves", lambda device: True)  # a served GPU, for tensors on any device
+    x = torch.zeros(1, dtype=torch.bfloat16)
     assert resolve_backend("auto", x, 128) == "cuda" and resolve_backend("auto", x, 64) == "reference"
     assert resolve_backend("cuda", x, 64) == "cuda"
+    assert registry.auto_backend(x) == "cuda" and registry.auto_backend(x.float()) == "reference"
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)  # the CP ops' q: heads of 64
+    assert get_backend("auto", like=q).name == "reference"
 
 
 def test_fla_layer_call_traces_into_one_graph():

@@ -172,6 +172,11 @@ def test_bad_cu_seqlens_raise(gen):
             ref.kda_chunked(q, k, v, g, beta, cu_seqlens=cu)
     assert torch.equal(ref.kda_chunked(q, k, v, g, beta, cu_seqlens=range(0, 5, 2))[0],
                        ref.kda_chunked(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 2, 4]))[0])
+    assert torch.equal(ref.kda_chunked(q, k, v, g, beta, cu_seqlens=iter([0, 2, 4]))[0],  # an iterator, read once
+                       ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0, 2, 4])[0])
+    with pytest.raises(TypeError) as e:  # a long bad list is named, not printed whole
+        ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0.5] * 100_000)
+    assert len(str(e.value)) < 200
 
 
 # ----------------------------------------------------------------------------- fp32 safety

@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 import kda_aot  # noqa: E402
 from kda_aot.ops.gate import kda_gate  # noqa: E402
 from test_fla_signature import expected  # noqa: E402
-from test_fla_signature_gpu import cuda_inputs, rel_rms  # noqa: E402
+from test_fla_signature_gpu import cuda_inputs, on_cpu_f64, rel_rms  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
 CASES = {"layer": (4, 4, None, False, False), "gva2-neg-vfirst": (4, 8, None, True, True),
@@ -45,7 +45,7 @@ def call(x, arm, lower_bound, neg, v_first):
 def main():
     for case, (H, HV, lower_bound, neg, v_first) in CASES.items():
         x = cuda_inputs(H, HV, ("gpu", HV, lower_bound, neg))
-        cpu = {n: (t.double().cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+        cpu = on_cpu_f64(x)
         cpu["q"], cpu["k"], cpu["v"] = (x[n].cpu() for n in ("q", "k", "v"))
         eo, es, egrads = expected(cpu, lower_bound=lower_bound, neg=neg, v_first=v_first)
         g_act = kda_gate(cpu["g"], cpu["A_log"], cpu["dt_bias"], lower_bound)

@@ -20,6 +20,7 @@ from .tensor import check_cu_seqlens, host_table_to
 
 CHUNK = 64  # tokens per chunk; a chunk never crosses a segment, a segment's last chunk may be short
 HEAD_DIM = 128  # the KDA kernels' head dim (kda.h's kHeadDim), also the l2norm kernels' row
+CONV_WIDTH = 4  # taps of the causal conv (conv1d_silu.h's kConvWidth)
 
 # The tags of the ops that read cu_seqlens' values on the host (their launches are planned from them):
 # a CUDA graph would replay one pack's launches for any other, so torch.compile's CUDA graphs

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .arch import CAPABILITY_ARCH, DEFAULT_ARCH, arch_of
+from .packing import HEAD_DIM
 
 PACKAGE = Path(__file__).resolve().parent.parent  # kda_aot/
 REPO = PACKAGE.parent
@@ -132,7 +133,10 @@ def serves(device) -> bool:
     return arch is not None and any(r["arch"] == arch and r["shipped"] for r in records())
 
 
-def auto_backend(x) -> str:
+def auto_backend(x, head_dim: int = HEAD_DIM) -> str:
     """What backend="auto" picks for inputs like x: "cuda" (the kernels) for a bf16 tensor on a GPU they
-    serve, else "reference"."""
+    serve, with heads of the kernels' HEAD_DIM (the caller's head dim, where its inputs have heads), else
+    "reference"."""
+    if head_dim != HEAD_DIM:
+        return "reference"
     return "cuda" if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and serves(x.device) else "reference"

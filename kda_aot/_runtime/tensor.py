@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import reprlib
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -80,12 +81,34 @@ def boundaries_tensor(cu_seqlens, name: str = "cu_seqlens"):
     if cu_seqlens is None or isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens
     try:
-        if isinstance(cu_seqlens, (str, bytes)) or any(isinstance(c, bool) for c in cu_seqlens):
+        if isinstance(cu_seqlens, (str, bytes)):
             raise TypeError
-        values = [operator.index(c) for c in cu_seqlens]
+        items = list(cu_seqlens)  # once: an iterator is read here alone
+        if any(isinstance(c, bool) for c in items):
+            raise TypeError
+        values = [operator.index(c) for c in items]
     except TypeError:
-        raise TypeError(f"{name}: expected a tensor or a sequence of ints, got {cu_seqlens!r}") from None
+        raise TypeError(f"{name}: expected a tensor or a sequence of ints, got {reprlib.repr(cu_seqlens)}") from None
     return torch.tensor(values, dtype=torch.int64)
+
+
+def check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu) -> None:
+    """cu_seqlens_cpu, when given, is cu_seqlens' copy on the CPU: its shape always, its values when cu_seqlens
+    is on the CPU too (a device cu_seqlens is not read back: sparing that sync is what the copy is for)."""
+    if cu_seqlens_cpu is None:
+        return
+    if not isinstance(cu_seqlens_cpu, torch.Tensor):
+        raise TypeError(f"cu_seqlens_cpu: expected a torch.Tensor, got {type(cu_seqlens_cpu).__name__}")
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu: give cu_seqlens too (cu_seqlens_cpu is its copy on the CPU)")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu: expected a CPU tensor, got one on {cu_seqlens_cpu.device}")
+    if cu_seqlens_cpu.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cpu: expected shape {list(cu_seqlens.shape)} (as cu_seqlens), got "
+                         f"{list(cu_seqlens_cpu.shape)}")
+    if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
+        raise ValueError("cu_seqlens_cpu: must hold cu_seqlens' values (both are on the CPU here, so it is "
+                         "checked; a device cu_seqlens is not read back for it)")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:

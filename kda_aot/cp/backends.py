@@ -285,10 +285,13 @@ def backend_name(backend) -> str:
 
 
 def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
-    """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': kda_aot.registry.auto_backend(like)."""
+    """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': kda_aot.registry.auto_backend
+    of like (q: its head dim too)."""
     if backend == "auto":
+        from .._runtime.packing import HEAD_DIM
         from .._runtime.registry import auto_backend
-        backend = auto_backend(like)
+        heads = isinstance(like, torch.Tensor) and like.dim() == 4  # q, k [1, T, H, K]
+        backend = auto_backend(like, like.shape[-1] if heads else HEAD_DIM)
     if isinstance(backend, str):
         if backend.startswith("object:"):  # backend_name's key of a backend object
             from . import keys

@@ -14,7 +14,7 @@ from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, check_activation_shapes, kernel_beta, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, host_copy
-from .._runtime.tensor import check_cu_seqlens, checked_scale, require_cuda
+from .._runtime.tensor import check_cu_seqlens, check_cu_seqlens_cpu, checked_scale, require_cuda
 
 BACKWARD_MODES = ("replay", "saved")
 
@@ -63,25 +63,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
             where = "the CPU" if q.device.type == "cpu" else f"the CPU or {q.device}"
             raise ValueError(f"cu_seqlens: on {cu_seqlens.device}; expected {where}")
     check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
-
-
-def check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu) -> None:
-    """cu_seqlens_cpu, when given, is cu_seqlens' copy on the CPU: its shape always, its values when cu_seqlens
-    is on the CPU too (a device cu_seqlens is not read back: sparing that sync is what the copy is for)."""
-    if cu_seqlens_cpu is None:
-        return
-    if not isinstance(cu_seqlens_cpu, torch.Tensor):
-        raise TypeError(f"cu_seqlens_cpu: expected a torch.Tensor, got {type(cu_seqlens_cpu).__name__}")
-    if cu_seqlens is None:
-        raise ValueError("cu_seqlens_cpu: give cu_seqlens too (cu_seqlens_cpu is its copy on the CPU)")
-    if cu_seqlens_cpu.device.type != "cpu":
-        raise ValueError(f"cu_seqlens_cpu: expected a CPU tensor, got one on {cu_seqlens_cpu.device}")
-    if cu_seqlens_cpu.shape != cu_seqlens.shape:
-        raise ValueError(f"cu_seqlens_cpu: expected shape {list(cu_seqlens.shape)} (as cu_seqlens), got "
-                         f"{list(cu_seqlens_cpu.shape)}")
-    if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens_cpu.long(), cu_seqlens.long()):
-        raise ValueError("cu_seqlens_cpu: must hold cu_seqlens' values (both are on the CPU here, so it is "
-                         "checked; a device cu_seqlens is not read back for it)")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

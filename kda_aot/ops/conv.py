@@ -13,9 +13,7 @@ import torch
 
 from .._runtime import registry
 from .._runtime.tensor import describe, out_or, require_cuda, stream_of
-from ..reference.conv import CONV_WIDTH
-from .._runtime.packing import HEAD_DIM, PLANNED_FROM_HOST, pack_tables
-
+from .._runtime.packing import CONV_WIDTH, HEAD_DIM, PLANNED_FROM_HOST, pack_tables
 
 
 def _check(x, weight, bias, halo, cu_seqlens):
@@ -35,8 +33,9 @@ def _check(x, weight, bias, halo, cu_seqlens):
     for name, t in (("weight", weight), ("bias", bias)):  # any float: the kernels take them widened to fp32
         if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating-point dtype (float32, bfloat16, ...), got {t.dtype}")
-    if tuple(weight.shape) != (D, 4):
-        raise ValueError(f"weight: expected shape [D, 4] = [{D}, 4] (width-4 causal conv), got {list(weight.shape)}")
+    if tuple(weight.shape) != (D, CONV_WIDTH):
+        raise ValueError(f"weight: expected shape [D, 4] = [{D}, {CONV_WIDTH}] (width-4 causal conv), got "
+                         f"{list(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (D,):
         raise ValueError(f"bias: expected shape [D] = [{D}], got {list(bias.shape)}")
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
@@ -153,8 +152,6 @@ def _backward(ctx, dy):
 
 
 conv1d_silu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
 
 
 def conv_form(x: torch.Tensor, l2norm: bool) -> str:

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
+from .._runtime.packing import CONV_WIDTH
 from .kda import CuSeqlens, _bounds
 
-CONV_WIDTH = 4
 
 # ----------------------------------------------------------------------------- conv1d
 

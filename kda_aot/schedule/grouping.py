@@ -1,5 +1,5 @@
-"""How the pipelined forward cuts a pack into segment groups and pieces (DESIGN.md §3): which segments each
-chunk-stage launch covers and in what order (plan_pipeline), which group's segment runs in pieces
+"""How the pipelined forward cuts a pack into segment groups and pieces (docs/forward.md, "The pipeline"): which
+segments each chunk-stage launch covers and in what order (plan_pipeline), which group's segment runs in pieces
 (last_group_pieces on one GPU, pieced_group under context parallelism) and how many of them lead. The launch
 planner (plan.py) builds its nodes from these; the fit rule (fit.py) prices the walks over them."""
 from __future__ import annotations
@@ -16,7 +16,6 @@ def runs_of(forms: list) -> tuple:
         else:
             runs.append([form, s, s + 1])
     return tuple(tuple(r) for r in runs)
-
 
 
 PIPELINE_GROUPS = 4  # chunk-stage launches of a pipelined forward (each followed by its walk)
