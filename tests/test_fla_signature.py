@@ -153,6 +153,10 @@ def test_precomputed_gate_and_bf16_g(reference_op):
     want, _ = reference.kda_chunked(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                     cu_seqlens=x["cu"].tolist(), dtype=torch.float64)
     assert rel(o, want) < 1e-12
+    o_list, _ = kda_aot.chunk_kda(q, k, v, g, beta, cu_seqlens=x["cu"].tolist())  # boundaries as a list, as PackedKDA
+    assert torch.equal(o_list, o)
+    with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a sequence of ints"):
+        kda_aot.chunk_kda(q, k, v, g, beta, cu_seqlens=[0.0, 40.0, 64.0])
 
 
 def test_unserved_arguments_raise(reference_op):

@@ -356,7 +356,7 @@ def test_the_gate_and_norm_flags_check_before_any_kernel(monkeypatch):
         for args, kw, exc, match in [
                 ((q.float(), q, v, g, beta), {"cu_seqlens": cu}, TypeError, "q: expected dtype bfloat16"),
                 ((q, torch.empty(1, 129, 2, 128, **bf), v, g, beta), {"cu_seqlens": cu}, ValueError, "k: expected shape"),
-                ((q, q, v, g, beta), {"cu_seqlens": [0, 60, 130]}, TypeError, "cu_seqlens: expected a torch.Tensor"),
+                ((q, q, v, g, beta), {"cu_seqlens": [0, 60.5, 130]}, TypeError, "cu_seqlens: expected a tensor or a sequence of ints"),
                 ((q, q, v, g, beta), {"cu_seqlens": bad_cu}, ValueError, "cu_seqlens: must start at 0"),
         ]:
             with pytest.raises(exc, match=match):

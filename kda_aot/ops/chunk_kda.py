@@ -14,7 +14,7 @@ from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, check_activation_shapes, kernel_beta, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, host_copy
-from .._runtime.tensor import check_cu_seqlens, check_cu_seqlens_cpu, checked_scale, require_cuda
+from .._runtime.tensor import boundaries_tensor, check_cu_seqlens, check_cu_seqlens_cpu, checked_scale, require_cuda
 
 BACKWARD_MODES = ("replay", "saved")
 
@@ -78,7 +78,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     multiple of H (grouped value heads: value head j reads q, k head j // (HV / H)); initial_state
     [N, HV, 128, 128] fp32 ([N, HV, V, K] with state_v_first, and so the final state). Packed documents:
     B = 1 and cu_seqlens [N + 1] int32/int64, non-decreasing (zero-length documents are legal), on the
-    CPU or q's device; a device tensor is read to the host once (a sync) and that copy reused while the
+    CPU or q's device (or a list of ints, as PackedKDA takes it); a device tensor is read to the host once (a sync) and that copy reused while the
     tensor lives unwritten, or give its CPU copy as cu_seqlens_cpu (the two must hold the same values) and no
     call syncs. Without cu_seqlens, B sequences of T tokens (N = B).
     Any strides. Returns (o [B, T, HV, 128] bf16, final_state or None).
@@ -106,6 +106,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         warnings.warn("transpose_state_layout is deprecated: use state_v_first", DeprecationWarning, stacklevel=2)
         state_v_first = bool(transpose_state_layout)
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
+    cu_seqlens = boundaries_tensor(cu_seqlens)
     scale = checked_scale(scale, HEAD_DIM)
     if not isinstance(k, torch.Tensor):
         raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
