@@ -62,7 +62,7 @@ def record_hash(record: Record) -> str:
         "flags": list(record.flags),
         "depends": dependencies(record),
     }
-    if record.binding:  # every field of its binding (the tensors it requires, the activations it takes) is rendered into it
+    if record.binding:  # every field of its binding (tensors required, activations taken) is rendered into it
         payload["binding"] = dataclasses.asdict(record.binding)
     canon = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return sha256_bytes(canon.encode())

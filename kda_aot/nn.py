@@ -174,7 +174,8 @@ class PackedKDA(nn.Module):
         self._check_call(q, k, v, cu_seqlens, plan, group)
         if plan is not None:
             group, _, _ = resolve_group(group)
-        return self._conv_qkv(q, k, v, boundaries_tensor(cu_seqlens), plan, group, resolve_backend(self.backend, q, self.head_dim))
+        return self._conv_qkv(q, k, v, boundaries_tensor(cu_seqlens), plan, group,
+                              resolve_backend(self.backend, q, self.head_dim))
 
     def _conv_qkv(self, q, k, v, cu_seqlens, plan, group, backend, kda=None, op="PackedKDA.conv_qkv"):
         """conv_qkv (under CP: the agreement check, with the facts of the KDA call `kda` when given, then one

@@ -88,7 +88,8 @@ def boundaries_tensor(cu_seqlens, name: str = "cu_seqlens"):
             raise TypeError
         values = [operator.index(c) for c in items]
     except TypeError:
-        raise TypeError(f"{name}: expected a tensor or a sequence of ints, got {reprlib.repr(cu_seqlens)}") from None
+        raise TypeError(f"{name}: expected a tensor or a sequence of ints, got "
+                        f"{reprlib.repr(cu_seqlens)}") from None
     return torch.tensor(values, dtype=torch.int64)
 
 

@@ -60,6 +60,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import options, reference
+from .._runtime.packing import HEAD_DIM
 from .._runtime.tensor import host_table_to
 from ..schedule import backward as kda_backward, fit, grouping, kda as kda_schedule
 from .summaries import compose_pieces
@@ -288,7 +289,6 @@ def get_backend(backend, dtype: Optional[torch.dtype] = None, like=None):
     """'auto' | 'reference' | 'cuda' | a backend object -> a backend object; 'auto': kda_aot.registry.auto_backend
     of like (q: its head dim too)."""
     if backend == "auto":
-        from .._runtime.packing import HEAD_DIM
         from .._runtime.registry import auto_backend
         heads = isinstance(like, torch.Tensor) and like.dim() == 4  # q, k [1, T, H, K]
         backend = auto_backend(like, like.shape[-1] if heads else HEAD_DIM)

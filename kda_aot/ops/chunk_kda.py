@@ -26,10 +26,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
-                    ("cu_seqlens_cpu", cu_seqlens_cpu)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected shape [B, T, H, 128], got {list(q.shape)}")
     B, T, H = q.shape[:3]
@@ -78,8 +76,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     multiple of H (grouped value heads: value head j reads q, k head j // (HV / H)); initial_state
     [N, HV, 128, 128] fp32 ([N, HV, V, K] with state_v_first, and so the final state). Packed documents:
     B = 1 and cu_seqlens [N + 1] int32/int64, non-decreasing (zero-length documents are legal), on the
-    CPU or q's device (or a list of ints, as PackedKDA takes it); a device tensor is read to the host once (a sync) and that copy reused while the
-    tensor lives unwritten, or give its CPU copy as cu_seqlens_cpu (the two must hold the same values) and no
+    CPU or q's device, or a list of ints; a device tensor is read to the host once (a sync) and that copy
+    reused while the tensor lives unwritten, or give its CPU copy as cu_seqlens_cpu (the two must hold the same values) and no
     call syncs. Without cu_seqlens, B sequences of T tokens (N = B).
     Any strides. Returns (o [B, T, HV, 128] bf16, final_state or None).
 

@@ -10,8 +10,8 @@ its `nodes` are what the executor (execute.py) runs, one kind of node to one lau
                                                       bwd_chunk=True, kda_bwd_chunk after each group's walks
     print(plan) / plan.explain()                      the schedule, one node a line
 
-Decisions come from the fit rule (grouping.plan_pipeline, grouping.pieced_group, fit.pipelined_walk_sms); the
-plan only puts them in one place and in launch order.
+Decisions come from the grouping (grouping.plan_pipeline, grouping.pieced_group) and the fit rule
+(fit.pipelined_walk_sms); the plan only puts them in one place and in launch order.
 """
 from __future__ import annotations
 
