@@ -2,8 +2,8 @@
 
 catalog  - every record (program, form, arch, parameters) in one table
 hashing  - content hash of a record's inputs (templates, our headers, parameters, arch, flags)
-render   - Jinja rendering of one record into its kernel unit and binding unit
-manifest - build.json / build.test.json
+render   - Jinja rendering of a record into its kernel unit and binding unit, and the manifests
+           (build.json / build.test.json)
 __main__ - the CLI: ``python -m codegen render | check | list``
 """
 from pathlib import Path

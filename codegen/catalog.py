@@ -26,18 +26,19 @@ def gencode(arch: str) -> str:
 
 @dataclass(frozen=True)
 class Binding:
-    """The binding unit of a program whose launch takes a shared argument struct: its template (one per
-    struct, under templates/common/) and the tensors a launch must be given."""
-    template: str
+    """The binding unit of a program whose launch takes one of the shared KDA argument structs (KdaFwdArgs or
+    KdaBwdArgs, templates/common/kda.h; one template for both) and the tensors a launch must be given."""
+    args: str             # "Fwd" or "Bwd": the argument struct Kda<args>Args
     needs: tuple
     need_one: tuple = ()  # tensors of which a launch must be given at least one
-    # the program reads q, k and g (kda_fwd_chunk, kda_bwd_gate): it forms the gate from the raw gate and
-    # normalises q and k (its launch takes gate_kind, lower_bound and qk_l2norm)
+    # the program reads the gate (kda_fwd_chunk, kda_bwd_gate) and can form it from the raw gate (its launch
+    # takes gate_kind and lower_bound)
     gate: bool = False
     beta: bool = False    # the program reads beta, formed from the logits on load (its launch takes beta_kind)
+    template = "common/kda_binding.cpp.j2"  # a class attribute, not a field: the same for every binding
 
 
-_FWD_ARGS, _BWD_ARGS = "common/kda_fwd_binding.cpp.j2", "common/kda_bwd_binding.cpp.j2"
+_FWD_ARGS, _BWD_ARGS = "Fwd", "Bwd"
 _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg",
                "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg")
 # Programs on KdaFwdArgs / KdaBwdArgs (templates/common/kda.h); every other program's folder holds its own
@@ -144,7 +145,7 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            params={"threads": 128, "tokens_per_thread": 5, "channels": 4, "unroll": 2, "min_blocks": 1,
                    "reduce_threads": 256, "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 1},
            select=_VARIANT, grid=_BWD_GRID, shipped=False),
-    # The chunk stage: its schedule and what it won against the forms before it (deleted): docs/forward.md.
+    # The chunk stage: its schedule and the measurements behind it, docs/forward.md.
     Record(program="kda_fwd_chunk", form="lean", params={"threads": 256, "profile": False, "replay": False},
            select="always: Akk/Aqk tiles spread over the warps by table, Gamma in log2 units, the Akk/Aqk "
                   "operands as packed bf16 products, (I + L)^-1 on the tensor cores in 3xTF32",

@@ -15,7 +15,8 @@ import re
 from . import TEMPLATES
 from .catalog import Record
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+# anywhere on a line: a template may open a line with a Jinja tag (`{% if wgmma %}#include "common/wgmma.cuh"`)
+_INCLUDE = re.compile(r'#\s*include\s+"([^"]+)"')
 # a template's variants in files of their own (include, import, extends, from; either quote)
 _JINJA_INCLUDE = re.compile(r"""\{%[-+]?\s*(?:include|import|extends|from)\s+["']([^"']+)["']""")
 

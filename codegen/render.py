@@ -1,6 +1,7 @@
 """Render records into their units and manifests, in memory. Writing is the CLI's job."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -41,8 +42,7 @@ def render_record(record: Record, env: jinja2.Environment | None = None) -> Rend
     name = h[:NAME_LEN]
     context = dict(record.params)
     if record.binding:
-        context.update(needs=record.binding.needs, need_one=record.binding.need_one, gate=record.binding.gate,
-                       beta=record.binding.beta)
+        context.update(dataclasses.asdict(record.binding))  # args, needs, need_one, gate, beta
     context.update(
         record=name,
         program=record.program,

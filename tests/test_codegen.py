@@ -71,16 +71,41 @@ def test_check_reports_stale_missing_orphan_and_render_repairs(repo_copy):
     assert run(["-m", "codegen", "render"], repo_copy).stdout == ""
 
 
-def test_template_or_header_edit_renames_records(repo_copy):
-    header = repo_copy / "templates" / "common" / "conv1d_silu.h"
-    header.write_text(header.read_text() + "\n// a change\n")
+@pytest.mark.parametrize("header", ["conv1d_silu.h", "conv1d_silu.cuh", "wgmma.cuh"])
+def test_template_or_header_edit_renames_records(repo_copy, header):
+    """An edit of a header renames every record that includes it, directly or through another header, from
+    a kernel or a binding template (conv1d_silu.cuh and wgmma.cuh are included after a Jinja tag on the
+    line), and no other record."""
+    from codegen.hashing import dependencies
+    path = repo_copy / "templates" / "common" / header
+    path.write_text(path.read_text() + "\n// a change\n")
     proc = run(["-m", "codegen", "check"], repo_copy)
     assert proc.returncode == 1
-    # every conv record includes the header: all of them get new names (missing) and old ones are orphans
-    n_conv = sum(r.program.startswith("conv1d_silu") for r in RECORDS)
-    assert proc.stdout.count("missing: generated/") == 2 * n_conv
-    assert proc.stdout.count("orphan: generated/") == 2 * n_conv
-    assert "stale: build.json" in proc.stdout and "stale: build.test.json" in proc.stdout
+    users = [r for r in RECORDS if f"templates/common/{header}" in dependencies(r)]
+    expected = {"conv1d_silu.h": ("conv1d_silu",), "conv1d_silu.cuh": ("conv1d_silu",),
+                "wgmma.cuh": ("kda_fwd_walk", "kda_bwd_walk")}[header]
+    for program in expected:
+        n = sum(r.program.startswith(program) for r in RECORDS)
+        assert n and sum(r.program.startswith(program) for r in users) == n, (header, program)
+    assert proc.stdout.count("missing: generated/") == 2 * len(users)
+    assert proc.stdout.count("orphan: generated/") == 2 * len(users)
+    assert "stale: build.json" in proc.stdout
+
+
+def test_rendered_includes_are_hash_inputs():
+    """Every header of ours that a rendered unit includes is an input of its record's hash (the hash reads the
+    templates, not the rendered text: an include the hash's pattern missed would let a header edit keep the
+    record's name and its stale object)."""
+    import re
+    from codegen import TEMPLATES
+    from codegen.hashing import dependencies
+    include = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+    for rec in RECORDS:
+        deps = dependencies(rec)
+        for text in render_record(rec).files.values():
+            for name in include.findall(text):
+                if (TEMPLATES / name).is_file():
+                    assert f"templates/{name}" in deps, (rec.program, rec.form, name)
 
 
 def test_manifest_edit_is_detected(repo_copy):
@@ -101,19 +126,20 @@ def test_hash_covers_params_arch_and_flags():
 
 
 def test_kda_bindings_come_from_their_argument_struct(monkeypatch):
-    """The KDA programs' binding units render from the one template of their argument struct, with the
-    tensors BINDINGS lists for them; those are an input of the hash."""
+    """The KDA programs' binding units render from the one KDA binding template, on their argument struct,
+    with the tensors BINDINGS lists for them; those are an input of the hash."""
     from codegen import catalog
     for rec in RECORDS:
         if rec.program.startswith(("kda_", "kcp_")):
-            template = rec.templates["binding.cpp"]
-            assert template in (catalog._FWD_ARGS, catalog._BWD_ARGS), rec.program
+            assert rec.templates["binding.cpp"] == "common/kda_binding.cpp.j2", rec.program
             text = render_record(rec).files[f"generated/{record_hash(rec)[:16]}_binding.cpp"]
+            assert f"const kda::Kda{rec.binding.args}Args* args" in text, rec.program
             assert ", ".join(f'"{n}"' for n in rec.binding.needs) in text
+            assert "{" + ", ".join(f'"{n}"' for n in rec.binding.need_one) + "}" in text
     rec = next(r for r in RECORDS if r.program == "kda_fwd_walk")
     base = record_hash(rec)
     changed = {tuple: lambda x: x[:-1] if x else ("q",), bool: lambda x: not x,
-               str: lambda x: catalog._BWD_ARGS if x == catalog._FWD_ARGS else catalog._FWD_ARGS}  # the template
+               str: lambda x: catalog._BWD_ARGS if x == catalog._FWD_ARGS else catalog._FWD_ARGS}  # the struct
     for f in dataclasses.fields(rec.binding):  # every field, so that a new one cannot be left out of the hash
         value = getattr(rec.binding, f.name)
         monkeypatch.setitem(catalog.BINDINGS, "kda_fwd_walk", replace(rec.binding, **{f.name: changed[type(value)](value)}))

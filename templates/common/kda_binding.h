@@ -236,11 +236,13 @@ inline void run_launcher(int (*launcher)(const Args*, int, void*, char*, int), c
   check_launch(code, err, what);
 }
 
-inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           int (*launcher)(const KdaFwdArgs*, int, void*, char*, int), const char* what,
-                           int gate_kind = kGateRaw, double lower_bound = 0.0, int beta_kind = kBetaPlain) {
+// need: tensors a launch must be given; need_one: tensors of which at least one must be given (outputs of which
+// a call may leave some out). The launcher's argument struct picks the forward's or the backward's overload.
+inline void launch_kda(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
+                       const std::vector<std::string>& need_one, int (*launcher)(const KdaFwdArgs*, int, void*, char*, int),
+                       const char* what, int gate_kind, double lower_bound, int beta_kind) {
   // the walk's output stage adds back Aqk's diagonal rounding error (kda_fwd_chunk's aqk_diag_lo)
-  const KdaTensors k = check_kda_tensors(tensors, need, what, {}, gate_kind,
+  const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind,
                                          needs(need, "aqk") ? "aqk_diag_lo" : nullptr, beta_kind);
   KdaFwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
@@ -287,11 +289,9 @@ inline void launch_kda_fwd(const py::dict& tensors, double scale, uint64_t strea
   run_launcher(launcher, a, k.device, stream, what);
 }
 
-// need_one: tensors of which at least one must be given (outputs of which a call may leave some out).
-inline void launch_kda_bwd(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
-                           int (*launcher)(const KdaBwdArgs*, int, void*, char*, int), const char* what,
-                           const std::vector<std::string>& need_one = {}, int gate_kind = kGateRaw,
-                           double lower_bound = 0.0, int beta_kind = kBetaPlain) {
+inline void launch_kda(const py::dict& tensors, double scale, uint64_t stream, const std::vector<std::string>& need,
+                       const std::vector<std::string>& need_one, int (*launcher)(const KdaBwdArgs*, int, void*, char*, int),
+                       const char* what, int gate_kind, double lower_bound, int beta_kind) {
   const KdaTensors k = check_kda_tensors(tensors, need, what, need_one, gate_kind, nullptr, beta_kind);
   KdaBwdArgs a{};
   a.gate = gate_args(k, gate_kind, lower_bound, what, needs(need, "g"));
