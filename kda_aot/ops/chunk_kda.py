@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..schedule import kda
-from ..schedule.kda import HEAD_DIM, MAX_HEADS
+from ..schedule.kda import HEAD_DIM
 from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, check_activation_shapes, kernel_beta, kernel_gate
 from .norm import l2norm
@@ -23,25 +23,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
     """Checks that need only shapes, dtypes and devices (the values of cu_seqlens are checked by the op,
     before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16; beta_logits:
     beta is the logits the kernels activate, bf16 or fp32."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q: expected shape [B, T, H, 128], got {list(q.shape)}")
-    B, T, H = q.shape[:3]
-    if q.shape[3] != HEAD_DIM:
-        raise ValueError(f"q: head dim must be 128, got {q.shape[3]}")
-    if H > MAX_HEADS:
-        raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
-    if k.shape != q.shape:
-        raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
-    HV = kda.value_heads(q, v)
-    if g.shape != v.shape:
-        raise ValueError(f"g: expected shape {list(v.shape)} (as v), got {list(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta: expected shape [{B}, {T}, {HV}], got {list(beta.shape)}")
+    kda.check_shapes(q, k, v, g, beta, initial_state, packed=False)
+    B = q.shape[0]
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
     for name, t, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
@@ -53,9 +36,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
             continue
         if t is not None and t.dtype != dtype:
             raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     if cu_seqlens is not None:
         if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
             where = "the CPU" if q.device.type == "cpu" else f"the CPU or {q.device}"

@@ -96,31 +96,43 @@ def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
     return g[0].index_select(0, tables.cu[:-1])
 
 
-def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
+def check_shapes(q, k, v, g, beta, initial_state=None, packed=True) -> int:
+    """The one check of the KDA tensors' types, shapes and devices, for the public op (packed=False: B
+    sequences) and the programs' callers (packed: B = 1) alike: q, k [B, T, H, 128]; v, g [B, T, HV, 128] and
+    beta [B, T, HV] with HV a multiple of H. Returns HV. (Dtypes and the states' rows are the callers'.)"""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if initial_state is not None and not isinstance(initial_state, torch.Tensor):
         raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q: expected shape [1, T, H, 128] (packed documents), got {list(q.shape)}")
-    if q.shape[2] > MAX_HEADS:
-        raise ValueError(f"q: at most {MAX_HEADS} heads, got {q.shape[2]}")
+    if q.dim() != 4 or (packed and q.shape[0] != 1):
+        shape = "[1, T, H, 128] (packed documents)" if packed else "[B, T, H, 128]"
+        raise ValueError(f"q: expected shape {shape}, got {list(q.shape)}")
+    B, T, H = q.shape[:3]
+    if q.shape[3] != HEAD_DIM:
+        raise ValueError(f"q: head dim must be 128, got {q.shape[3]}")
+    if H > MAX_HEADS:
+        raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
     if k.shape != q.shape:
         raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
-    T, H = q.shape[1], value_heads(q, v)
+    HV = value_heads(q, v)
     if g.shape != v.shape:
         raise ValueError(f"g: expected shape {list(v.shape)} (as v), got {list(g.shape)}")
-    if tuple(beta.shape) != (1, T, H):
-        raise ValueError(f"beta: expected shape [1, {T}, {H}], got {list(beta.shape)}")
-    tables = tables_of(cu_seqlens, T, q.device)
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta: expected shape [{B}, {T}, {HV}], got {list(beta.shape)}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+    return HV
+
+
+def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
+    H = check_shapes(q, k, v, g, beta, initial_state)
+    tables = tables_of(cu_seqlens, q.shape[1], q.device)
     N = tables.n_segments
     if initial_state is not None and tuple(initial_state.shape) != (N, H, HEAD_DIM, HEAD_DIM):
         rows = "" if N == tables.n_docs else " (one row per non-empty document: kda_aot.chunk_kda maps documents)"
         raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128]{rows}, got {list(initial_state.shape)}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     return tables
 
 
