@@ -3,7 +3,7 @@
 # speed of light, occupancy, warp stall reasons (every body item: --print-details all), memory,
 # instruction counts, the source lines where warps stall most (SourceCounters; -lineinfo builds).
 # Leaves the clocks alone.
-# Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's option through KDA_AOT_OPTIONS:
+# Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's option, profile_kda.py's options argument:
 # bwd_chunk_form, gate_form, walk_form; kda_fwd_chunk has one form); default: every forward and backward
 # program, the test-only forms beside the shipped ones. NCU_CALL: profile_kda.py's call, log_decay (default)
 # or fla_layer (the raw gate and beta's logits activated in the kernels). Reports: $NCU_DIR (default $OUT).
@@ -22,10 +22,10 @@ for run in ${NCU_RUNS:-$RUNS}; do
   esac
   report="${NCU_DIR:-$OUT}/ncu_${k}_${form}_${NCU_CALL:-log_decay}.txt"
   for extra in "--section SourceCounters --print-details all" ""; do  # the first needs a recent ncu
-    env KDA_AOT_OPTIONS="${knob:+$knob=$form}" PYTHONPATH=$PWD timeout ${NCU_S:-120} \
+    env PYTHONPATH=$PWD timeout ${NCU_S:-120} \
       ncu --clock-control none -k regex:"$k\\b" -c 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 "${NCU_CALL:-log_decay}" > "$report" 2>&1
+        --section LaunchStats --section InstructionStats $extra python3 bench/profile_kda.py Q1 4 "${NCU_CALL:-log_decay}" "${knob:+$knob=$form}" > "$report" 2>&1
     grep -q "Duration" "$report" && break
   done
   echo "== $k ($form)"

@@ -3,15 +3,13 @@
 The shipped choice of every option is its default. Benchmarks and tests pass other values with
 `using(Options(...))` around the calls they make. The options are process-wide, not per thread: the ops
 read them when they run, and autograd runs a backward on a thread of its own (a compiled graph called
-inside the block sees them too). The package reads no environment on the call path (kda_aot.fla aside: FLA's switches of its backends, read at each
-dispatch by FLA's rule). For debugging only, `KDA_AOT_OPTIONS` (e.g. `walk_form=full,pipeline=0`) is read once at
-import as the default.
+inside the block sees them too). The package reads no environment for them (kda_aot.fla reads FLA's switches of its backends, at each
+dispatch by FLA's rule).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 from dataclasses import dataclass
 
@@ -88,14 +86,7 @@ def parse(text: str) -> Options:
     return Options(**values)
 
 
-def _from_environment() -> Options:
-    try:
-        return parse(os.environ.get("KDA_AOT_OPTIONS", ""))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"the environment's KDA_AOT_OPTIONS: {e}") from None
-
-
-DEFAULT = _from_environment()
+DEFAULT = Options()
 _current = DEFAULT
 _lock = threading.Lock()
 
