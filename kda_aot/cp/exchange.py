@@ -121,8 +121,7 @@ def post_agreement(op: str, plan: CPPlan, group, facts: Dict[str, object],
     if local_error is None and (plan.world_size != world or plan.rank != rank):
         local_error = (f"the plan was built for rank {plan.rank} of {plan.world_size} but this is "
                        f"rank {rank} of a group of {world}")
-    described = {"op": op, "layout": plan.layout, "world_size": plan.world_size,
-                 "chunk_size": plan.chunk_size, "cu_seqlens": plan.digest}
+    described = {"op": op, **plan.agreed()}
     described.update({k: repr(v) for k, v in sorted(facts.items())})
     digest = hashlib.sha256(repr(sorted(described.items())).encode()).digest()
     words = [1 if local_error else 0] + list(struct.unpack("<4q", digest))

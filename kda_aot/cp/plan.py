@@ -195,15 +195,14 @@ class CPPlan:
 
     # ------------------------------------------------------------------ misc
     def for_rank(self, rank: int) -> "CPPlan":
-        """The same plan seen from another rank (tests, and unshard bookkeeping)."""
+        """The same plan seen from another rank (the tests' view of every rank)."""
         _check_rank(rank, self.world_size)
         return dataclasses.replace(self, rank=rank)
 
-    def fingerprint(self) -> bytes:
-        """sha256 of what every rank must agree on (the rank itself excluded)."""
-        h = hashlib.sha256()
-        h.update(repr((self.layout, self.world_size, self.chunk_size, self.cu_seqlens)).encode())
-        return h.digest()
+    def agreed(self) -> dict:
+        """What every rank's plan must agree on (the rank itself excluded): check_agreement compares it."""
+        return {"layout": self.layout, "world_size": self.world_size, "chunk_size": self.chunk_size,
+                "cu_seqlens": self.digest}
 
 
 # ---------------------------------------------------------------------------- construction

@@ -16,7 +16,7 @@ from ..reference.kda import sum_value_head_groups
 from .._runtime import registry
 from .._runtime.packing import CHUNK
 from .._runtime.tensor import out_or
-from .plan import replay_plan, segment_runs
+from .plan import replay_plan, replay_walk_sms, segment_runs
 
 
 def _check_dout(dout, v):
@@ -340,7 +340,7 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
         return saved, walk
     main = torch.cuda.current_stream(v.device)
     side = kda._side_streams(v.device, 1, "replay")[0]
-    half = max(1, kda.device_sms(v.device) // 2)  # each walk is planned on half the SMs: they share the GPU
+    half = replay_walk_sms(kda.device_sms(v.device))
     side.wait_stream(main)
     try:
         with torch.cuda.stream(side):

@@ -441,11 +441,16 @@ def replay_plan(chain_lengths, heads: int, sms: int, *, pieced: bool = False, sk
                         _segments(skip_bwd), bool(bwd_chunk), _planner_reads(bool(pieced)))
 
 
+def replay_walk_sms(sms: int) -> int:
+    """The SMs each of the replay's two walks is planned on: half the GPU's, as they run side by side."""
+    return max(1, sms // 2)
+
+
 @functools.lru_cache(maxsize=1024)
 def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: tuple, bwd_chunk: bool,
                  reads: tuple) -> PipelinePlan:
     groups = tuple(grouping.plan_pipeline(lengths))
-    half = max(1, sms // 2)
+    half = replay_walk_sms(sms)
     chosen = grouping.pieced_group(lengths, cp=True) if pieced else None
     pieces = None
     if chosen is not None:
