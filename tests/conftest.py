@@ -45,7 +45,35 @@ TEST_ONLY_RECORDS = frozenset((r["program"], r["form"])
                               for r in json.loads((ROOT / "build.test.json").read_text())["records"])
 
 HAS_GPU = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (none here)")
+# A test that needs a CUDA GPU: skipped without one (pytest_runtest_setup); with one, every allocation it makes
+# starts as NaN (nan_filled_memory).
+gpu = pytest.mark.gpu
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None and not HAS_GPU:
+        pytest.skip("needs a CUDA GPU (none here)")
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_memory(request):
+    """GPU tests run in torch's deterministic mode, which fills every uninitialised allocation with NaN: an output
+    the ops allocate and a kernel leaves partly unwritten cannot pass as stale finite values. (warn_only: torch ops
+    without a deterministic form, in FLA's code, still run. The mode is bitwise the default for our ops:
+    tests/test_ops_gpu.py's in_deterministic_mode.)"""
+    if request.node.get_closest_marker("gpu") is None or not HAS_GPU:
+        yield
+        return
+    import torch.utils.deterministic
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 # Fresh inputs each run; the seed is printed so a failure can be replayed (KDA_TEST_SEED=...).
 SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
@@ -66,6 +94,18 @@ def pytest_runtest_call(item):
         if INSTALLED and e.record in TEST_ONLY_RECORDS:
             pytest.skip(f"needs the test-only record {'/'.join(e.record)}, which no wheel ships")
         raise
+
+
+def seed_of(tag) -> int:
+    """A seed fresh per run (from SEED) and the same for a tag within it: replay with KDA_TEST_SEED=<SEED>."""
+    return (SEED * 1000003 + zlib.crc32(repr(tag).encode())) % (2 ** 63)
+
+
+@pytest.fixture(autouse=True)
+def seeded_global_rng(request):
+    """torch's global generators (module weights, randn_like) seeded per test from SEED and its id: fresh each
+    run, the same for a test when replayed, whatever ran before it."""
+    torch.manual_seed(seed_of(request.node.nodeid))
 
 
 @pytest.fixture

@@ -4,8 +4,7 @@ import torch
 from bench.numerics import OUTPUTS, floor_row, verdict
 
 
-def test_floor_is_the_error_of_rounding_the_reference_to_each_outputs_dtype():
-    gen = torch.Generator().manual_seed(21)
+def test_floor_is_the_error_of_rounding_the_reference_to_each_outputs_dtype(gen):
     ref = {"o": torch.randn(4096, dtype=torch.float64, generator=gen),
            "dg": torch.randn(4096, dtype=torch.float64, generator=gen)}
     res = {"o": ref["o"].to(torch.bfloat16), "dg": ref["dg"].float()}

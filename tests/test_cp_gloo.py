@@ -403,8 +403,10 @@ def test_world_size_one_in_process(tmp_path):
         dist.destroy_process_group()
 
 
-def test_zz_report_measured_errors():
-    """Prints the largest measured relative error per kind and key (run with -s to see it)."""
+@pytest.fixture(scope="module", autouse=True)
+def report_measured_errors():
+    """After the module's tests: the largest measured relative error per kind and key (run with -s to see it)."""
+    yield
     worst = {}
     for (kind, W, layout, pack, key), e in MEASURED.items():
         if e > worst.get((kind, key), (0,))[0]:

@@ -14,7 +14,7 @@ bench/device_env.sh does)."""
 import pytest
 import torch
 
-from conftest import gpu
+from conftest import gpu, seed_of
 
 pytestmark = gpu
 AGAINST_FLA = 2e-2
@@ -44,7 +44,7 @@ def served_layer(monkeypatch, seed, dtype):
 
 
 def test_fla_layer_trains_on_kda_aot_eager_and_compiled(monkeypatch):
-    layer, served, cu, x = served_layer(monkeypatch, 1234, torch.bfloat16)
+    layer, served, cu, x = served_layer(monkeypatch, seed_of("fla-layer-bf16"), torch.bfloat16)
 
     def step(module):
         layer.zero_grad(set_to_none=True)
@@ -78,7 +78,7 @@ def test_fla_layer_mixed_precision_checkpointed_on_kda_aot(monkeypatch):
     the layer's calls are served (the recomputed forward too), and the output and every gradient agree
     with the same step on FLA's kernels (the bound above: autocast casts the same matmuls in both arms)."""
     from torch.utils.checkpoint import checkpoint
-    layer, served, cu, x = served_layer(monkeypatch, 4321, torch.float32)
+    layer, served, cu, x = served_layer(monkeypatch, seed_of("fla-layer-mixed"), torch.float32)
 
     def step():
         layer.zero_grad(set_to_none=True)

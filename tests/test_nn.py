@@ -196,21 +196,24 @@ def test_cuda_backend_needs_head_dim_128():
 
 @gpu
 def test_cuda_layer_matches_reference_layer():
-    """The whole layer on the CUDA kernels (bf16 activations) against the reference backend in
-    fp32 on the same bf16 inputs: relative RMS 1e-2 for o and every gradient (the bf16 budget)."""
+    """The whole layer on the CUDA kernels (bf16 activations) against the reference backend in fp64 on the same
+    bf16 inputs: relative RMS 1e-2 for o and every gradient. The budget: bf16 storage of the conv outputs, of
+    o and of each gradient (2^-9 relative each, ~1.6e-3 RMS), and the kernels' own error against fp64
+    (2-4e-3 on the numerics cases, tests/test_kda_numerics_gpu.py), summed with room for the conv's
+    gradient through the norm."""
     H, Dh, lens = 2, 128, [65, 1, 200]
     (q, k, v), g, beta, cu = inputs("layer", lens, H, Dh)
     q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
     mc = module(H, Dh, "layer", backend="cuda").cuda()
-    mr = module(H, Dh, "layer")
+    mr = module(H, Dh, "layer").double()
     xs_c = [t.cuda().requires_grad_() for t in (q, k, v)]
-    xs_r = [t.float().requires_grad_() for t in (q, k, v)]
+    xs_r = [t.double().requires_grad_() for t in (q, k, v)]
     oc, _ = mc(*xs_c, g.cuda(), beta.cuda(), cu_seqlens=cu)
-    orr, _ = mr(*xs_r, g, beta.float(), cu_seqlens=cu)
-    do = torch.randn(orr.shape, generator=gen_for("layer-do"))
+    orr, _ = mr(*xs_r, g.double(), beta.double(), cu_seqlens=cu)
+    do = torch.randn(orr.shape, generator=gen_for("layer-do"), dtype=F64)
     oc.backward(do.to(torch.bfloat16).cuda())
     orr.backward(do)
-    rel = lambda a, b: ((a.float().cpu() - b).norm() / b.norm()).item()  # noqa: E731
+    rel = lambda a, b: ((a.double().cpu() - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(oc, orr.detach()) < 1e-2
     for a, b in zip(xs_c, xs_r):
         assert rel(a.grad, b.grad) < 1e-2
@@ -239,7 +242,6 @@ def test_fla_conv_weights_round_trip_and_compute_the_same():
     """FLA's ShortConvolution weights ([D, 1, 4], nn.Conv1d depthwise, left-padded) load as PackedKDA's conv
     weights: torch's conv1d with them gives the reference conv's pre-activation, and the round trip is exact."""
     from kda_aot import reference
-    torch.manual_seed(3)
     m = PackedKDA(2, 16, conv_bias=True, backend="reference")
     D = 32
     fla = {f"attn.{n}_conv1d.weight": torch.randn(D, 1, 4) for n in "qkv"}

@@ -197,7 +197,9 @@ def test_fp32_chunked_finite_with_g_neg5(gen, K):
     for x in leaves:
         assert torch.isfinite(x.grad).all()
     o64, s64 = ref.kda_chunked(q, k, v, g, beta, initial_state=h0, **kw)
-    assert rel_err(o.double(), o64) < 1e-4 and rel_err(s.double(), s64) < 1e-4
+    # fp32 rounding (6e-8) through sums of ~K * 64 products: measured 1.4-5.0e-7 (o) and 0.6-1.2e-7 (state) over
+    # ten draws; an overflow or a lost decay factor would be O(1)
+    assert rel_err(o.double(), o64) < 1e-5 and rel_err(s.double(), s64) < 1e-5
 
 
 # ----------------------------------------------------------------------------- gradcheck
@@ -341,8 +343,7 @@ def test_conv1d_silu_zero_halo_equals_no_halo_and_split(gen):
     assert rel_err(ys, y) < 1e-14
 
 
-def test_a_positive_gate_is_refused():
-    gen = torch.Generator().manual_seed(7)
+def test_a_positive_gate_is_refused(gen):
     q, k, v = (torch.randn(1, 8, 1, 16, generator=gen, dtype=torch.float64) for _ in range(3))
     beta = torch.rand(1, 8, 1, generator=gen, dtype=torch.float64)
     for bad in (0.5, float("nan")):

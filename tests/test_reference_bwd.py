@@ -10,7 +10,6 @@ from it; reproduce a run with KDA_TEST_SEED=<seed>.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kda_aot import reference as ref
 from kda_aot.reference import chunked as ref_chunked
@@ -82,6 +81,25 @@ def test_bwd_matches_autograd_chunked(gen, chunk_size, H, g_mode, init, dfinal):
                             chunk_size=chunk_size)
     check_grads(mine, theirs, f"seed {SEED} lens {lens}")
     assert all(x.dtype == F64 for x in mine)
+
+
+@pytest.mark.parametrize("chunk_size", [64, 8])
+def test_bwd_with_resets_matches_autograd_recurrent(gen, chunk_size):
+    """g = -inf (a channel reset) at random tokens, some at a chunk's first or last: the chunked reference's
+    explicit backward (exact there, reference.G_FLOOR) is autograd through the recurrence, every gradient."""
+    lens = rand_lens(gen, n_random=1, hi=100)
+    H, K, V = 2, 16, 8
+    q, k, v, g, beta, h0 = make_inputs(gen, lens, H, K, V, "rand", init=True)
+    reset = torch.rand(g.shape, generator=gen, dtype=F64) < 0.05
+    reset[:, ::chunk_size] |= torch.rand(reset[:, ::chunk_size].shape, generator=gen, dtype=F64) < 0.5
+    g = g.masked_fill(reset, float("-inf"))
+    do = torch.randn(1, sum(lens), H, V, generator=gen, dtype=F64)
+    dfs = torch.randn(len(lens), H, K, V, generator=gen, dtype=F64)
+    saved, mine = explicit_grads(q, k, v, g, beta, h0, do, dfs, lens, chunk_size=chunk_size)
+    theirs = autograd_grads("kda_recurrent", q, k, v, g, beta, h0, do, dfs, lens)
+    check_grads(mine, theirs, f"seed {SEED} lens {lens}")
+    o, _ = ref.kda_recurrent(q, k, v, g, beta, cu_seqlens=cu_of(lens), initial_state=h0)
+    assert rel_err(saved["o"], o) < REL_FP64
 
 
 @pytest.mark.parametrize("g_mode", ["rand", "mild"])
