@@ -17,6 +17,7 @@ FLA_DISABLE_BACKEND_DISPATCH=1 turns off every backend.
 from __future__ import annotations
 
 import inspect
+import numbers
 import os
 import sys
 import warnings
@@ -38,7 +39,7 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
 
 from ._runtime import registry
 from ._runtime.packing import host_copy
-from ._runtime.tensor import check_cu_seqlens
+from ._runtime.tensor import boundaries_tensor, check_cu_seqlens
 from .ops.chunk_kda import chunk_kda
 from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
 from .schedule.kda import HEAD_DIM, MAX_HEADS
@@ -77,10 +78,19 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
         return False, "q, k, v not bf16"
     if not use_beta_sigmoid_in_kernel and beta.dtype != torch.bfloat16:
         return False, f"beta in {beta.dtype} (kda_aot's kernels take bf16 beta)"
-    if not g.is_floating_point():
-        return False, f"g in {g.dtype}"
+    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, f"g in {g.dtype} (kda_aot: float32, or a narrower float it widens)"
     if initial_state is not None and initial_state.dtype != torch.float32:
         return False, "initial_state not fp32"
+    if lower_bound is not None and (not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool)):
+        return False, f"lower_bound of type {type(lower_bound).__name__} (kda_aot: a real number)"
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            return False, f"{q.shape[0]} sequences with cu_seqlens (packed input is [1, T, ...])"
+        try:  # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it
+            check_cu_seqlens(_host_boundaries(boundaries_tensor(cu_seqlens), cu_seqlens_cpu), q.shape[1])
+        except (TypeError, ValueError) as e:
+            return False, str(e)
     return True, None
 
 

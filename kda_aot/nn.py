@@ -50,6 +50,12 @@ def _flag(name: str, value) -> bool:
     raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
+def _check_floating(name, x):
+    """An integer tensor would come back from the reference path cast to its dtype (zeros): refused."""
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+
+
 class PackedKDA(nn.Module):
     """Causal conv1d + SiLU on q, k, v, optional q/k L2 norm, then KDA.
 
@@ -165,6 +171,7 @@ class PackedKDA(nn.Module):
                     or x.shape[2] != D or x.shape[1] != q.shape[1]:
                 raise ValueError(f"{name} must be [1, T, {D}] (H * head_dim, same T as q), got "
                                  f"{list(getattr(x, 'shape', []))}")
+            _check_floating(name, x)
 
     def conv_qkv(self, q, k, v, *, cu_seqlens=None, plan: Optional[CPPlan] = None, group=None):
         """The part before KDA: causal conv1d + SiLU of q, k, v (with the CP halo when a plan
@@ -199,14 +206,18 @@ class PackedKDA(nn.Module):
     def forward(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None, plan: Optional[CPPlan] = None,
                 group=None, scale: Optional[float] = None,
                 initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False):
-        """q, k, v [1, T, H * head_dim], g [1, T, H, head_dim] fp32 (log decay <= 0),
-        beta [1, T, H]; with a plan, T is this rank's local token count (plan.token_map order).
+        """q, k, v [1, T, H * head_dim], g [1, T, H, head_dim] (log decay <= 0), beta [1, T, H], all floating
+        point; on the CUDA backend q, k, v and beta bf16, g and initial_state fp32 (chunk_kda's dtypes); with a plan, T is this rank's local token count (plan.token_map order).
         Give cu_seqlens (single device: a tensor or a list; on the GPU, cu_seqlens_cpu, its CPU copy, spares
         the host syncs that read it) or plan (+ group; context parallel), not both.
         Returns (o [1, T, H, head_dim] in q's dtype, final_state [N, H, head_dim, head_dim] or
         None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
+        for name, x in (("g", g), ("beta", beta)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            _check_floating(name, x)
         cu_seqlens = boundaries_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)

@@ -187,6 +187,13 @@ def test_l2norm_batched_rows_are_bitwise_the_row_by_row_ones(halo):
     assert_f32_close(s[3], a[3].double(), "dbias", rel=1e-5)
 
 
+def test_a_list_of_boundaries_is_the_tensor():
+    """causal_conv1d_silu takes cu_seqlens as a list of ints too (as chunk_kda and PackedKDA do): the same bits."""
+    x, w, b, cu, h, _ = pack(PACKS["long"], 256, rng("list-cu"), halo=True)
+    want = causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
+    assert torch.equal(causal_conv1d_silu(x, w, b, cu_seqlens=cu.tolist(), halo=h), want)
+
+
 def test_two_runs_are_bitwise_equal():
     x, w, b, cu, h, dy = pack(PACKS["long"], 512, rng("determinism"), halo=True)
     a = run_kernels(x, w, b, cu, h, dy)

@@ -52,6 +52,10 @@ CASES = [
     ("cu start", lambda x, w, b, cu, h: (x, w, b, torch.tensor([1, 5, 12], dtype=torch.int32), h), ValueError,
      "cu_seqlens: must start at 0"),
     ("cu rank", lambda x, w, b, cu, h: (x, w, b, cu[None], h), ValueError, r"cu_seqlens: expected shape \[N \+ 1\]"),
+    # a list of ints is boundaries, as for chunk_kda and PackedKDA: its values are checked the same way
+    ("cu list end", lambda x, w, b, cu, h: (x, w, b, [0, 5, 11], h), ValueError, "cu_seqlens: must end at T = 12"),
+    ("cu list floats", lambda x, w, b, cu, h: (x, w, b, [0, 5.5, 12], h), TypeError,
+     "cu_seqlens: expected a tensor or a sequence of ints"),
     ("x not a tensor", lambda x, w, b, cu, h: (x.tolist(), w, b, cu, h), TypeError, "x: expected a torch.Tensor"),
 ]
 # With no token (T = 0) no binding runs, and bad input is still named.

@@ -88,10 +88,10 @@ def test_import_registers_the_backend(fake_fla):
     assert (registered[1][1].implementation, registered[2][1].implementation) == (module.conv_fwd, module.conv_bwd)
 
 
-def _call(D=128, H=2, HV=2, dtype=torch.bfloat16, device="cpu"):
-    q = torch.zeros(1, 64, H, D, dtype=dtype, device=device)
-    v = torch.zeros(1, 64, HV, D, dtype=dtype, device=device)
-    return (q, q, v, torch.zeros(1, 64, HV, D, device=device), torch.zeros(1, 64, HV, dtype=dtype, device=device))
+def _call(D=128, H=2, HV=2, dtype=torch.bfloat16, device="cpu", B=1):
+    q = torch.zeros(B, 64, H, D, dtype=dtype, device=device)
+    v = torch.zeros(B, 64, HV, D, dtype=dtype, device=device)
+    return (q, q, v, torch.zeros(B, 64, HV, D, device=device), torch.zeros(B, 64, HV, dtype=dtype, device=device))
 
 
 def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch):
@@ -125,9 +125,22 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
             (base, {"return_intermediate_states": True}, "return_intermediate_states"),
             (base, {"use_graph": True}, "use_graph"),
             (base, {"some_new_flag": 1}, "keywords kda_aot does not take: ['some_new_flag']"),
-            (base, {"initial_state": torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)}, "initial_state not fp32")]:
+            (base, {"initial_state": torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)}, "initial_state not fp32"),
+            (base[:3] + [base[3].double()] + base[4:], {}, "g in torch.float64"),
+            (base, {"use_gate_in_kernel": True, "lower_bound": torch.tensor(-1.0)}, "lower_bound of type Tensor"),
+            (base, {"use_gate_in_kernel": True, "lower_bound": True}, "lower_bound of type bool"),
+            # a pack padded past cu_seqlens[-1] (FLA runs it; kda_aot.chunk_kda refuses it) and broken boundaries
+            (base, {"cu_seqlens": torch.tensor([0, 30, 60])}, "must end at T = 64"),
+            (base, {"cu_seqlens": [0, 40, 30, 64]}, "non-decreasing"),
+            (base, {"cu_seqlens": [0, 10.5, 64]}, "cu_seqlens"),
+            (on_cuda(_call(B=2)), {"cu_seqlens": torch.tensor([0, 64])}, "2 sequences with cu_seqlens")]:
         ok, why = module.verify(*args, **kw)
         assert not ok and reason in why, (kw, why)
+    for cu in (torch.tensor([0, 30, 30, 64]), [0, 64]):
+        assert module.verify(*base, cu_seqlens=cu) == (True, None)
+    assert module.verify(*base, cu_seqlens=torch.tensor([0, 64]), cu_seqlens_cpu=torch.tensor([0, 64])) == (True, None)
+    import numpy as np
+    assert module.verify(*base, use_gate_in_kernel=True, lower_bound=np.float32(-3.0)) == (True, None)
     fp32_beta = base[:4] + [base[4].float().as_subclass(OnCuda)]
     assert not module.verify(*fp32_beta)[0]
     assert module.verify(*fp32_beta, use_beta_sigmoid_in_kernel=True) == (True, None)   # logits: any float

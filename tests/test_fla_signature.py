@@ -131,6 +131,9 @@ def test_sigmoid_gate_without_a_log(reference_op):
     eo, es, egrads = expected(x, lower_bound=-3.0)
     assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
     assert "A_log" not in grads and rel(grads["g"], egrads["g"]) < 1e-5 and rel(grads["dt_bias"], egrads["dt_bias"]) < 1e-5
+    np = pytest.importorskip("numpy")
+    o32, s32, _ = run_ours(x, lower_bound=np.float32(-3.0))  # a config's numpy scalar is a number too
+    assert torch.equal(o32, o) and torch.equal(s32, s)
 
 
 def test_disable_recompute_is_the_saved_mode(reference_op):
@@ -190,6 +193,9 @@ def test_unserved_arguments_raise(reference_op):
              (dict(state_v_first=True, initial_state=torch.zeros(1, 2, D, 64)), ValueError,
               r"initial_state: expected shape \[N, 2, 128, 128\] \(\[N, HV, V, K\] with state_v_first=True\), "
               r"got \[1, 2, 128, 64\]"),
+             # the state's rows are checked before the norm's kernels (on the CPU: before the GPU's refusal)
+             (dict(use_qk_l2norm_in_kernel=True, initial_state=torch.zeros(3, 2, D, D)), ValueError,
+              r"initial_state: expected shape \[1, 2, 128, 128\] \(a row per document, HV heads\), got \[3, 2, 128, 128\]"),
              (dict(cu_seqlens_cpu=torch.tensor([0, 32], dtype=x["cu"].dtype)), ValueError,
               "cu_seqlens_cpu: must hold cu_seqlens' values"),
              (dict(scale="x"), TypeError, "scale: expected a real number or None, got str"),

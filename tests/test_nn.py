@@ -183,6 +183,11 @@ def test_argument_errors():
     assert torch.equal(m(q, k, v, g, beta, cu_seqlens=[torch.tensor(c) for c in cu.tolist()])[0], as_list)
     with pytest.raises(TypeError, match="g: expected a floating-point tensor"):
         m(q, k, v, g.long(), beta, cu_seqlens=cu)
+    # integers would come back from the reference path as zeros of their dtype
+    with pytest.raises(TypeError, match="q: expected a floating-point tensor, got torch.int64"):
+        m(q.long(), k, v, g, beta, cu_seqlens=cu)
+    with pytest.raises(TypeError, match="beta: expected a floating-point tensor, got torch.int64"):
+        m(q, k, v, g, beta.long(), cu_seqlens=cu)
     with pytest.raises(ValueError, match="g: on meta but q is on cpu"):
         m(q, k, v, g.to("meta"), beta, cu_seqlens=cu)
 

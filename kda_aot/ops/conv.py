@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .._runtime import registry
-from .._runtime.tensor import describe, out_or, require_cuda, stream_of
+from .._runtime.tensor import boundaries_tensor, describe, out_or, require_cuda, stream_of
 from .._runtime.packing import CONV_WIDTH, HEAD_DIM, PLANNED_FROM_HOST, pack_tables
 
 
@@ -169,11 +169,12 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     x: [1, T, D] bf16 (D a multiple of 8), weight: [D, 4] and bias: [D] or None, any float dtype (widened to
     fp32 for the kernels; their gradients come back in their own dtypes),
     cu_seqlens: int32/int64 [N + 1] document boundaries, on the CPU (no host sync: what a CUDA
-    graph capture needs) or x's device, halo: [N, 3, D] bf16 or None (the 3
+    graph capture needs) or x's device, or a list of ints, halo: [N, 3, D] bf16 or None (the 3
     tokens before each segment; zeros where a segment starts its document). Returns y [1, T, D] bf16.
     l2norm: y normalised per head of 128 channels in the same pass, y / sqrt(sum_head y^2 + 1e-6)
     (kda_aot.ops.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
     """
+    cu_seqlens = boundaries_tensor(cu_seqlens)
     _check(x, weight, bias, halo, cu_seqlens)
     form = conv_form(x, l2norm)
     return conv1d_silu_fwd_op(x, weight, bias, halo, cu_seqlens, form)

@@ -13,6 +13,7 @@ kda_aot.chunk_kda (kernel_beta: every program that reads beta forms it from the 
 parallelism as the torch operation here (beta_sigmoid).
 """
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -47,7 +48,8 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
         if t.device != g.device:
             raise ValueError(f"{name}: on {t.device} but g is on {g.device}")
     if lower_bound is not None:
-        if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
+        # a real number, Python's or numpy's as configs carry it (a bool, numpy's too, is not one)
+        if not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool):
             raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
         if safe_gate and not -5 <= lower_bound < 0:
             raise ValueError(f"lower_bound: must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
