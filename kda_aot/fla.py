@@ -23,6 +23,7 @@ import sys
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 try:
     from fla.backends import BaseBackend, register
@@ -78,20 +79,33 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
         return False, "q, k, v not bf16"
     if not use_beta_sigmoid_in_kernel and beta.dtype != torch.bfloat16:
         return False, f"beta in {beta.dtype} (kda_aot's kernels take bf16 beta)"
-    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False, f"g in {g.dtype} (kda_aot: float32, or a narrower float it widens)"
+    if not g.is_floating_point() or (not use_gate_in_kernel and g.dtype == torch.float64):
+        return False, f"g in {g.dtype} (kda_aot: a float32 log decay, or a narrower float it widens)"
     if initial_state is not None and initial_state.dtype != torch.float32:
         return False, "initial_state not fp32"
-    if lower_bound is not None and (not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool)):
+    if use_gate_in_kernel and lower_bound is not None and (not isinstance(lower_bound, numbers.Real)
+                                                            or isinstance(lower_bound, bool)):
         return False, f"lower_bound of type {type(lower_bound).__name__} (kda_aot: a real number)"
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             return False, f"{q.shape[0]} sequences with cu_seqlens (packed input is [1, T, ...])"
-        try:  # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it
-            check_cu_seqlens(_host_boundaries(boundaries_tensor(cu_seqlens), cu_seqlens_cpu), q.shape[1])
-        except (TypeError, ValueError) as e:
-            return False, str(e)
+        if not _boundaries_of_the_pack(cu_seqlens, cu_seqlens_cpu, q.shape[1]):
+            # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it. (No values in the reason: it is
+            # warned once per reason, and padded packs differ at every step.)
+            return False, "cu_seqlens: not the boundaries of the whole pack (a pack padded past cu_seqlens[-1]?)"
     return True, None
+
+
+def _boundaries_of_the_pack(cu_seqlens, cu_seqlens_cpu, total) -> bool:
+    """The boundaries' values as kda_aot's op checks them; traced (values unknown), the op checks them itself."""
+    if torch.compiler.is_compiling() or any(is_fake(t) for t in (cu_seqlens, cu_seqlens_cpu)
+                                            if isinstance(t, torch.Tensor)):
+        return True
+    try:
+        check_cu_seqlens(_host_boundaries(boundaries_tensor(cu_seqlens), cu_seqlens_cpu), total)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 @register(fla_chunk_kda)
@@ -174,10 +188,8 @@ def conv_fwd_verify(x, weight, bias=None, residual=None, initial_state=None, out
     if cu_seqlens is not None:
         if x.shape[0] != 1:
             return False, f"{x.shape[0]} sequences with cu_seqlens (packed input is [1, T, D])"
-        try:  # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it
-            check_cu_seqlens(_host_boundaries(cu_seqlens, cu_seqlens_cpu), x.shape[1])
-        except (TypeError, ValueError) as e:
-            return False, str(e)
+        if not _boundaries_of_the_pack(cu_seqlens, cu_seqlens_cpu, x.shape[1]):
+            return False, "cu_seqlens: not the boundaries of the whole pack (a pack padded past cu_seqlens[-1]?)"
     if any(t is not None and t.device != x.device for t in (weight, bias)):
         return False, "weight or bias on another device than x"
     return True, None

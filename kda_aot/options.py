@@ -1,4 +1,4 @@
-"""Options of the launch path: which forms and orders the ops run, parsed once.
+"""Options of the launch path: which forms and orders the ops run.
 
 The shipped choice of every option is its default. Benchmarks and tests pass other values with
 `using(Options(...))` around the calls they make. The options are process-wide, not per thread: the ops

@@ -60,7 +60,7 @@ def nan_filled_memory(request):
     """GPU tests run in torch's deterministic mode, which fills every uninitialised allocation with NaN: an output
     the ops allocate and a kernel leaves partly unwritten cannot pass as stale finite values. (warn_only: torch ops
     without a deterministic form, in FLA's code, still run. The mode is bitwise the default for our ops:
-    tests/test_ops_gpu.py's in_deterministic_mode.)"""
+    tests/test_ops_gpu.py runs the default mode beside it.)"""
     if request.node.get_closest_marker("gpu") is None or not HAS_GPU:
         yield
         return

@@ -127,20 +127,27 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
             (base, {"some_new_flag": 1}, "keywords kda_aot does not take: ['some_new_flag']"),
             (base, {"initial_state": torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)}, "initial_state not fp32"),
             (base[:3] + [base[3].double()] + base[4:], {}, "g in torch.float64"),
+            (base[:3] + [base[3].long()] + base[4:], {"use_gate_in_kernel": True}, "g in torch.int64"),
             (base, {"use_gate_in_kernel": True, "lower_bound": torch.tensor(-1.0)}, "lower_bound of type Tensor"),
             (base, {"use_gate_in_kernel": True, "lower_bound": True}, "lower_bound of type bool"),
             # a pack padded past cu_seqlens[-1] (FLA runs it; kda_aot.chunk_kda refuses it) and broken boundaries
-            (base, {"cu_seqlens": torch.tensor([0, 30, 60])}, "must end at T = 64"),
-            (base, {"cu_seqlens": [0, 40, 30, 64]}, "non-decreasing"),
-            (base, {"cu_seqlens": [0, 10.5, 64]}, "cu_seqlens"),
+            (base, {"cu_seqlens": torch.tensor([0, 30, 60])}, "not the boundaries of the whole pack"),
+            (base, {"cu_seqlens": torch.tensor([0, 20, 60])}, "not the boundaries of the whole pack"),
+            (base, {"cu_seqlens": [0, 40, 30, 64]}, "not the boundaries"),
+            (base, {"cu_seqlens": [0, 10.5, 64]}, "not the boundaries"),
             (on_cuda(_call(B=2)), {"cu_seqlens": torch.tensor([0, 64])}, "2 sequences with cu_seqlens")]:
         ok, why = module.verify(*args, **kw)
         assert not ok and reason in why, (kw, why)
+    # one reason whatever the padding (a declined call warns once per reason)
+    assert module.verify(*base, cu_seqlens=[0, 30, 60]) == module.verify(*base, cu_seqlens=[0, 20, 50])
     for cu in (torch.tensor([0, 30, 30, 64]), [0, 64]):
         assert module.verify(*base, cu_seqlens=cu) == (True, None)
     assert module.verify(*base, cu_seqlens=torch.tensor([0, 64]), cu_seqlens_cpu=torch.tensor([0, 64])) == (True, None)
-    import numpy as np
-    assert module.verify(*base, use_gate_in_kernel=True, lower_bound=np.float32(-3.0)) == (True, None)
+    from fractions import Fraction  # a real number that is not a float, as numpy's float32 is
+    assert module.verify(*base, use_gate_in_kernel=True, lower_bound=Fraction(-3)) == (True, None)
+    # what the op serves: an fp64 raw gate (the kernels read it as fp32), a lower_bound the call does not use
+    assert module.verify(*base[:3], base[3].double(), base[4], use_gate_in_kernel=True) == (True, None)
+    assert module.verify(*base, lower_bound="unused without the gate") == (True, None)
     fp32_beta = base[:4] + [base[4].float().as_subclass(OnCuda)]
     assert not module.verify(*fp32_beta)[0]
     assert module.verify(*fp32_beta, use_beta_sigmoid_in_kernel=True) == (True, None)   # logits: any float
@@ -217,8 +224,8 @@ def test_the_conv_verifiers_decline_what_the_kernels_do_not_serve(fake_fla, monk
             ((x, w), {"activation": "silu", "residual": x}, "residual"),
             ((x, w), {"activation": "silu", "initial_state": torch.zeros(3, 64, 4)}, "initial_state"),
             (_conv_call(B=2), {"activation": "silu", "cu_seqlens": cu}, "2 sequences with cu_seqlens"),
-            ((x, w), {"activation": "silu", "cu_seqlens": torch.tensor([0, 30, 60])}, "must end at T = 70"),
-            ((x, w), {"activation": "silu", "cu_seqlens": torch.tensor([0, 40, 30, 70])}, "non-decreasing")]:
+            ((x, w), {"activation": "silu", "cu_seqlens": torch.tensor([0, 30, 60])}, "not the boundaries of the whole pack"),
+            ((x, w), {"activation": "silu", "cu_seqlens": torch.tensor([0, 40, 30, 70])}, "not the boundaries")]:
         ok, why = module.conv_fwd_verify(*args, **kw)
         assert not ok and reason in why, (kw, why)
     ok, why = module.conv_bwd_verify(x, x, torch.zeros(3, 64, 4), w, activation="silu")

@@ -117,9 +117,10 @@ def test_a_final_state_and_the_calls_it_declines(fla_conv, monkeypatch):
     theirs, their_state = run_layer(layer, x, dy, cu_seqlens=cu, output_final_state=True)
     assert len(calls) == 1, "FLA_KDA_AOT_CONV=0 still called kda_aot"
     assert torch.equal(ours_state, their_state)
-    # both round y to bf16 from fp32 sums of the same four products: they differ by at most one bf16 ulp (2^-8
-    # relative) where the roundings split, so by less than 2^-8 ~ 3.9e-3 relative RMS even if every element did
-    assert rel_rms(ours["y"], theirs["y"].double()) < 4e-3
+    # both round y to bf16 from fp32 sums of the same four products: they differ by at most one bf16 ulp (2^-8 to
+    # 2^-7 of the value) where the roundings split, ~5.7e-3 relative RMS if every element split (simulated); 8e-3
+    # holds that and fails at two ulps
+    assert rel_rms(ours["y"], theirs["y"].double()) < 8e-3
     assert torch.equal(ours["dx"], theirs["dx"]) and torch.equal(ours["weight"], theirs["weight"])  # FLA's backward
     monkeypatch.delenv("FLA_KDA_AOT_CONV")
     plain = ShortConvolution(hidden_size=D, kernel_size=4, activation=None).cuda().to(torch.bfloat16)

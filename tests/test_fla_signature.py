@@ -131,8 +131,14 @@ def test_sigmoid_gate_without_a_log(reference_op):
     eo, es, egrads = expected(x, lower_bound=-3.0)
     assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
     assert "A_log" not in grads and rel(grads["g"], egrads["g"]) < 1e-5 and rel(grads["dt_bias"], egrads["dt_bias"]) < 1e-5
-    np = pytest.importorskip("numpy")
-    o32, s32, _ = run_ours(x, lower_bound=np.float32(-3.0))  # a config's numpy scalar is a number too
+
+
+def test_a_lower_bound_from_numpy_is_a_number(reference_op):
+    """A config's numpy scalar (not a float) is taken as its value."""
+    np = pytest.importorskip("numpy", reason="numpy's scalars need numpy (the installed run has none)")
+    x = dict(inputs([70, 1], 2, 2, "numpy-lower-bound"), A_log=None)
+    o, s, _ = run_ours(x, lower_bound=-3.0)
+    o32, s32, _ = run_ours(x, lower_bound=np.float32(-3.0))
     assert torch.equal(o32, o) and torch.equal(s32, s)
 
 

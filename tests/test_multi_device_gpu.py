@@ -9,13 +9,13 @@ test's thread."""
 import pytest
 import torch
 
-from conftest import HAS_GPU, seed_of
+from conftest import HAS_GPU, gpu, seed_of
 from kda_aot import chunk_kda
 from kda_aot.nn import PackedKDA
 from kda_aot.ops.chunk_kda_ops import SAVED
 from kda_aot.schedule.kda import GATE_RAW, GATE_SOFTPLUS
 
-pytestmark = pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+pytestmark = [gpu, pytest.mark.skipif(not HAS_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 BF = torch.bfloat16
 LENS, H = [300, 0, 129, 64], 4
 OPS = torch.ops.kda_aot

@@ -302,16 +302,18 @@ def fla_call_leaves(gen, T, H, D=128):
     return proj, raw, logits, a_log, dt_bias
 
 
-def in_deterministic_mode(step):
-    """step() under torch.use_deterministic_algorithms(True) (uninitialised allocations filled with NaN), the
-    mode restored after."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+def in_mode(step, deterministic):
+    """step() with torch.use_deterministic_algorithms(deterministic) (on: uninitialised allocations filled with
+    NaN), the mode restored after (GPU tests run in the deterministic mode: conftest.nan_filled_memory)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = deterministic
     try:
-        assert torch.utils.deterministic.fill_uninitialized_memory
         return step()
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @pytest.mark.parametrize("backward", ["replay", "saved"])
@@ -372,8 +374,8 @@ def test_deterministic_mode_is_bitwise_the_default(backward):
         (o.sum() + ht.sum()).backward()
         return [o.detach(), ht.detach()] + [x.grad.clone() for x in leaves]
 
-    default = step()
-    deterministic = in_deterministic_mode(step)
+    default = in_mode(step, False)
+    deterministic = in_mode(step, True)
     for name, a, b in zip(("o", "ht", "dproj", "draw", "dlogits", "dA_log", "ddt_bias", "dh0"), deterministic, default):
         assert torch.isfinite(a).all(), f"{backward} {name}: not finite in deterministic mode"
         assert torch.equal(a, b), f"{backward} {name}: deterministic mode differs from the default"
@@ -442,8 +444,8 @@ def test_module_in_deterministic_mode_is_bitwise_the_default():
         (o.float().sum() + s.sum()).backward()
         return [o.detach(), s.detach()] + [t.grad.clone() for t in leaves]
 
-    default = step()
-    deterministic = in_deterministic_mode(step)
+    default = in_mode(step, False)
+    deterministic = in_mode(step, True)
     for i, (a, b) in enumerate(zip(deterministic, default)):
         assert torch.isfinite(a).all(), f"output {i}: not finite in deterministic mode"
         assert torch.equal(a, b), f"output {i}: deterministic mode differs from the default"

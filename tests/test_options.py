@@ -1,4 +1,4 @@
-"""kda_aot.options: parsed once, changed only by `using`, checked; no environment read on the call path."""
+"""kda_aot.options: changed only by `using`, checked; no environment read on the call path."""
 import re
 from pathlib import Path
 

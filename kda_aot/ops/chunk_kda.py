@@ -181,10 +181,11 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
             cu_seqlens if torch.compiler.is_compiling() else host_copy(cu_seqlens))
         if qk_l2norm and cu.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(cu):
             check_cu_seqlens(cu, T)  # (traced, the op checks it)
-    rows = (cu.shape[0] - 1, v.shape[2], HEAD_DIM, HEAD_DIM)
-    if initial_state is not None and tuple(initial_state.shape) != rows:  # (before the norm's kernels run)
-        raise ValueError(f"initial_state: expected shape {list(rows)} (a row per document, HV heads), got "
-                         f"{list(initial_state.shape)}")
+    if initial_state is not None and cu.dim() == 1:  # before the norm's kernels run (the op checks cu's rank)
+        rows = (cu.shape[0] - 1, v.shape[2], HEAD_DIM, HEAD_DIM)
+        if tuple(initial_state.shape) != rows:
+            raise ValueError(f"initial_state: expected shape {list(rows)} (a row per document, HV heads), got "
+                             f"{list(initial_state.shape)}")
     if qk_l2norm:
         q, k = _qk_l2norm(q, k)
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
