@@ -17,7 +17,6 @@ FLA_DISABLE_BACKEND_DISPATCH=1 turns off every backend.
 from __future__ import annotations
 
 import inspect
-import numbers
 import os
 import sys
 import warnings
@@ -43,6 +42,7 @@ from ._runtime.packing import host_copy
 from ._runtime.tensor import boundaries_tensor, check_cu_seqlens
 from .ops.chunk_kda import chunk_kda
 from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
+from .ops.gate import is_real
 from .schedule.kda import HEAD_DIM, MAX_HEADS
 
 BACKEND_TYPE = "kda_aot"
@@ -83,29 +83,29 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
         return False, f"g in {g.dtype} (kda_aot: a float32 log decay, or a narrower float it widens)"
     if initial_state is not None and initial_state.dtype != torch.float32:
         return False, "initial_state not fp32"
-    if use_gate_in_kernel and lower_bound is not None and (not isinstance(lower_bound, numbers.Real)
-                                                            or isinstance(lower_bound, bool)):
+    if use_gate_in_kernel and lower_bound is not None and not is_real(lower_bound):
         return False, f"lower_bound of type {type(lower_bound).__name__} (kda_aot: a real number)"
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             return False, f"{q.shape[0]} sequences with cu_seqlens (packed input is [1, T, ...])"
-        if not _boundaries_of_the_pack(cu_seqlens, cu_seqlens_cpu, q.shape[1]):
-            # FLA runs a pack padded past cu_seqlens[-1]; kda_aot's op refuses it. (No values in the reason: it is
-            # warned once per reason, and padded packs differ at every step.)
-            return False, "cu_seqlens: not the boundaries of the whole pack (a pack padded past cu_seqlens[-1]?)"
+        refused = _boundaries_refused(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        if refused:
+            return False, refused
     return True, None
 
 
-def _boundaries_of_the_pack(cu_seqlens, cu_seqlens_cpu, total) -> bool:
-    """The boundaries' values as kda_aot's op checks them; traced (values unknown), the op checks them itself."""
+def _boundaries_refused(cu_seqlens, cu_seqlens_cpu, total) -> str | None:
+    """Why kda_aot's ops would refuse the boundaries' values, or None (traced, the values are unknown: the op
+    checks them). FLA runs a pack padded past cu_seqlens[-1]; kda_aot's ops refuse it. No values in the reason:
+    a declined call warns once per reason, and padded packs differ at every step."""
     if torch.compiler.is_compiling() or any(is_fake(t) for t in (cu_seqlens, cu_seqlens_cpu)
                                             if isinstance(t, torch.Tensor)):
-        return True
+        return None
     try:
         check_cu_seqlens(_host_boundaries(boundaries_tensor(cu_seqlens), cu_seqlens_cpu), total)
     except (TypeError, ValueError):
-        return False
-    return True
+        return "cu_seqlens: not the boundaries of the whole pack (a pack padded past cu_seqlens[-1]?)"
+    return None
 
 
 @register(fla_chunk_kda)
@@ -188,8 +188,9 @@ def conv_fwd_verify(x, weight, bias=None, residual=None, initial_state=None, out
     if cu_seqlens is not None:
         if x.shape[0] != 1:
             return False, f"{x.shape[0]} sequences with cu_seqlens (packed input is [1, T, D])"
-        if not _boundaries_of_the_pack(cu_seqlens, cu_seqlens_cpu, x.shape[1]):
-            return False, "cu_seqlens: not the boundaries of the whole pack (a pack padded past cu_seqlens[-1]?)"
+        refused = _boundaries_refused(cu_seqlens, cu_seqlens_cpu, x.shape[1])
+        if refused:
+            return False, refused
     if any(t is not None and t.device != x.device for t in (weight, bias)):
         return False, "weight or bias on another device than x"
     return True, None

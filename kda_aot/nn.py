@@ -51,7 +51,9 @@ def _flag(name: str, value) -> bool:
 
 
 def _check_floating(name, x):
-    """An integer tensor would come back from the reference path cast to its dtype (zeros): refused."""
+    """A tensor of floats: an integer tensor would come back from the reference path cast to its dtype (zeros)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
 
@@ -214,10 +216,8 @@ class PackedKDA(nn.Module):
         None); under CP as kda_aot.cp.chunk_kda_cp returns them (local o; final-state rows
         of the documents that end on this rank, zero elsewhere)."""
         self._check_call(q, k, v, cu_seqlens, plan, group)
-        for name, x in (("g", g), ("beta", beta)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-            _check_floating(name, x)
+        _check_floating("g", g)
+        _check_floating("beta", beta)
         cu_seqlens = boundaries_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)

@@ -1,3 +1,4 @@
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -64,11 +65,19 @@ def nan_filled_memory(request):
     if request.node.get_closest_marker("gpu") is None or not HAS_GPU:
         yield
         return
+    with deterministic_mode(True, warn_only=True):
+        yield
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool, warn_only: bool = False):
+    """torch.use_deterministic_algorithms(on) with uninitialised allocations NaN-filled when on; the mode before
+    restored after."""
     import torch.utils.deterministic
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.use_deterministic_algorithms(on, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = on
     try:
         yield
     finally:

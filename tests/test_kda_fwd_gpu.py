@@ -6,13 +6,12 @@ Gamma, K*exp(gamma-Gamma), Aqk, V') and the bf16 operand copy of the state in th
 each ~2^-9 relative, a handful of them in series (~5e-3); the fp32 state itself does not drift.
 Outputs are poisoned with NaN first.
 """
-import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SEED, gpu
+from conftest import SEED, gpu, seed_of
 from kda_aot import reference
 from kda_aot.schedule.kda import chunk_kda_fwd, chunk_kda_prepare, chunk_kda_walk
 
@@ -21,7 +20,7 @@ REL = 1e-2
 
 
 def rng(tag):
-    return torch.Generator(device="cuda").manual_seed((SEED * 1000003 + zlib.crc32(repr(tag).encode())) % 2 ** 63)
+    return torch.Generator(device="cuda").manual_seed(seed_of(tag))
 
 
 def poisoned(x):

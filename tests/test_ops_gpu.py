@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SEED, gpu, seed_of
+from conftest import SEED, deterministic_mode, gpu, seed_of
 from kda_aot import chunk_kda, reference
 from kda_aot.nn import PackedKDA
 from test_kda_bwd_gpu import BOUND
@@ -303,17 +303,9 @@ def fla_call_leaves(gen, T, H, D=128):
 
 
 def in_mode(step, deterministic):
-    """step() with torch.use_deterministic_algorithms(deterministic) (on: uninitialised allocations filled with
-    NaN), the mode restored after (GPU tests run in the deterministic mode: conftest.nan_filled_memory)."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(deterministic)
-    torch.utils.deterministic.fill_uninitialized_memory = deterministic
-    try:
+    """step() in torch's deterministic mode or out of it (GPU tests run in it: conftest.nan_filled_memory)."""
+    with deterministic_mode(deterministic):
         return step()
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @pytest.mark.parametrize("backward", ["replay", "saved"])

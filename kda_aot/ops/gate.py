@@ -25,6 +25,11 @@ from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def is_real(value) -> bool:
+    """A real number, Python's or numpy's as configs carry it (a bool, numpy's too, is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
                     lower_bound: Optional[float], safe_gate: bool) -> None:
     """The gate's parameters: A_log [HV] (or any shape of HV elements), dt_bias [HV * K] (or [HV, K]), both
@@ -48,8 +53,7 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
         if t.device != g.device:
             raise ValueError(f"{name}: on {t.device} but g is on {g.device}")
     if lower_bound is not None:
-        # a real number, Python's or numpy's as configs carry it (a bool, numpy's too, is not one)
-        if not isinstance(lower_bound, numbers.Real) or isinstance(lower_bound, bool):
+        if not is_real(lower_bound):
             raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
         if safe_gate and not -5 <= lower_bound < 0:
             raise ValueError(f"lower_bound: must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
