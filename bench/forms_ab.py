@@ -1,12 +1,11 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
-  bwd:   kda_bwd_chunk forms (BWD_CHUNK_FORMS: prefetch (shipped), default) timing chunk_kda_bwd_chunk;
   replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
          (default) and one after the other (Options.replay_overlap off);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
          walks' SMs) and in the plain order;
-    python bench/forms_ab.py [bwd|gate|replay|pipeline|all] [pack[,pack..]] [heads]
+    python bench/forms_ab.py [gate|replay|pipeline|all] [pack[,pack..]] [heads]
 """
 import sys
 
@@ -17,8 +16,8 @@ from kda_aot import options
 from bench.packs import PACKS
 from bench.single import inputs
 from kda_aot._runtime import registry
-from kda_aot.schedule.kda import BWD_CHUNK_FORMS, GATE_FORMS, chunk_kda_fwd
-from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
+from kda_aot.schedule.kda import GATE_FORMS, chunk_kda_fwd
+from kda_aot.schedule.backward import chunk_kda_bwd
 
 
 def main():
@@ -35,13 +34,6 @@ def ab(what, pack, H):
     cu = cu.cpu()
     _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     do = torch.randn_like(q)
-    if what in ("bwd", "all"):
-        dtape, _ = chunk_kda_bwd_walk(saved, do)
-        forms = registry.built_forms("kda_bwd_chunk", BWD_CHUNK_FORMS)
-        ms = interleaved({f: (lambda f=f: chunk_kda_bwd_chunk(saved, do, dtape, form=f)) for f in forms},
-                         iters=9, warmup=2)
-        print(f"{pack} H={H} kda_bwd_chunk: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
-        del dtape
     if what in ("replay", "all"):
         replay_ab(q, k, v, g, beta, cu, pack, H)
     if what in ("pipeline", "all"):

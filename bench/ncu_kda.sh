@@ -4,7 +4,7 @@
 # instruction counts, the source lines where warps stall most (SourceCounters; -lineinfo builds).
 # Leaves the clocks alone.
 # Runs: NCU_RUNS, words kernel:form (the form goes to that kernel's option, profile_kda.py's options argument:
-# bwd_chunk_form, gate_form, walk_form; kda_fwd_chunk has one form); default: every forward and backward
+# gate_form, walk_form; kda_fwd_chunk and kda_bwd_chunk have one form); default: every forward and backward
 # program, the test-only forms beside the shipped ones. NCU_CALL: profile_kda.py's call, log_decay (default)
 # or fla_layer (the raw gate and beta's logits activated in the kernels). Reports: $NCU_DIR (default $OUT).
 source "$(dirname "$0")/device_env.sh"
@@ -13,11 +13,11 @@ if [ -z "${NCU_NO_BUILD:-}" ]; then  # device_check.sh has built everything alre
     python3 setup.py -q build_ext --inplace 2>&1 | tail -3
 fi
 RUNS="kda_fwd_chunk:lean kda_fwd_walk:auto kda_bwd_walk:auto kda_bwd_chunk:default
-      kda_bwd_chunk:prefetch kda_bwd_gate:split_staged"
+      kda_bwd_gate:split_staged"
 for run in ${NCU_RUNS:-$RUNS}; do
   IFS=: read -r k form <<< "$run"
   case $k in
-    kda_fwd_chunk) knob= ;; kda_bwd_chunk) knob=bwd_chunk_form ;;  # kda_fwd_chunk: one form
+    kda_fwd_chunk|kda_bwd_chunk) knob= ;;  # one form each
     kda_bwd_gate) knob=gate_form ;; *) knob=walk_form ;;
   esac
   report="${NCU_DIR:-$OUT}/ncu_${k}_${form}_${NCU_CALL:-log_decay}.txt"

@@ -6,7 +6,7 @@
 #   3. the affected GPU tests: tests/test_kda_numerics_gpu.py (every gate value), test_kda_bwd_gpu.py,
 #      test_kda_fwd_gpu.py, test_cp_cuda.py (kcp_transfer, the summaries) -> pytest_numerics.log
 #   4. Q1, H = 32 timings of kda_aot and FLA (forward, replay step), if time is left -> numerics.jsonl
-#   5. (STEPS=forms) bench/forms_ab.py bwd Q1 32: the kda_bwd_chunk forms
+#   5. (STEPS=forms) bench/forms_ab.py gate Q1 32: the kda_bwd_gate forms
 #   (STEPS=profile) bench/profile_kda.py Q1 32, per-kernel times; (STEPS=sanitize) compute-sanitizer memcheck
 #   and racecheck of bench/sanitize_kda.py (strong gates and resets included)
 # Steps run in that order, each capped by what is left. STEPS (default "numerics tests timing") picks;
@@ -41,8 +41,8 @@ for step in $STEPS; do
         tests/test_kda_fwd_gpu.py tests/test_cp_cuda.py} > "$L/pytest_numerics.log" 2>&1
       stamp "tests: $(tail -1 "$L/pytest_numerics.log"; grep -E "^(FAILED|ERROR)" "$L/pytest_numerics.log" | head -20)" ;;
     forms)
-      timeout -s INT -k 10 "$(cap 180)" python3 bench/forms_ab.py bwd Q1 32 > "$L/forms_bwd.log" 2>&1
-      stamp "forms: $(tail -2 "$L/forms_bwd.log" | tr '\n' ' ')" ;;
+      timeout -s INT -k 10 "$(cap 180)" python3 bench/forms_ab.py gate Q1 32 > "$L/forms_gate.log" 2>&1
+      stamp "forms: $(tail -2 "$L/forms_gate.log" | tr '\n' ' ')" ;;
     profile)
       timeout -s INT -k 10 "$(cap 90)" python3 bench/profile_kda.py Q1 32 > "$L/profile.log" 2>&1
       stamp "profile: $(grep -E 'kda_bwd_gate|kda_bwd_chunk|kda_fwd_chunk' "$L/profile.log" | head -4 | tr -s ' ' | tr '\n' ';')" ;;

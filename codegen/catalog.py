@@ -203,17 +203,9 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
            select="the fit rule (kda_aot/schedule/fit.py): at most SM/4 chains, each of the four CTAs on an SM of its own; "
                   "bitwise equal to `full`",
            grid="(N segments, H, 4) CTAs of 256 threads; 32 value columns each"),
-    # prefetch is faster than default (bench/forms_ab.py bwd: docs/backward.md) and bitwise equal to it
-    # (GPU tests), so it ships.
-    Record(program="kda_bwd_chunk", form="prefetch", params={"threads": 256, "prefetch": True},
-           select="always (the plain-product half of the chunk-parallel backward): the fp32 state tapes read "
-                  "eight rows per warp at a time, loads issued before use",
+    Record(program="kda_bwd_chunk", form="default", params={"threads": 256},
+           select="always (the plain-product half of the chunk-parallel backward)",
            grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)"),
-    Record(program="kda_bwd_chunk", form="default", params={"threads": 256, "prefetch": False},
-           select="tests and benchmarks only: the tapes read as they are used; kept to check `prefetch` "
-                  "bitwise against it",
-           grid="(n_chunks, H) CTAs of 256 threads; warp w = (rows 16 (w % 4) .., column half w / 4)",
-           shipped=False),
     # The gated half: two CTAs per SM with the bf16 inputs in shared memory ship, as the latency-bound gate
     # gains most from both (the four forms measured: docs/backward.md); one CTA over all channels stays as
     # the check of the channel split.

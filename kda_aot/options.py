@@ -20,9 +20,8 @@ WALK_FORMS = ("auto", "full", "split", "quarter")
 class Options:
     # the state walks: "auto" (the fit rule picks per launch) or one form for every walk launch
     walk_form: str = "auto"
-    # kernel forms of the gate and kda_bwd_chunk ("": the shipped form)
+    # kda_bwd_gate's form ("": the shipped one; "full" checks its channel split bitwise)
     gate_form: str = ""
-    bwd_chunk_form: str = ""
     # The orders below are shipped on; each off-setting is the plain order that a bitwise test compares
     # the shipped one with (the test named beside it), so it stays.
     # the chunk stage a segment group at a time beside the walks (False: one launch, then the walks;

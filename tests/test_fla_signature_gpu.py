@@ -10,7 +10,7 @@ dA_log per head against the scale of its sum (da_log_error)."""
 import pytest
 import torch
 
-from conftest import gpu
+from conftest import gpu, import_fla
 from reftools import fla_gate
 from test_fla_signature import expected, inputs  # FLA's formulas, written out
 import kda_aot
@@ -89,7 +89,7 @@ def test_fla_call_on_the_kernels(H, HV, lower_bound, neg, v_first):
 
 
 def test_fla_dispatch_runs_kda_aot():
-    fla_chunk = pytest.importorskip("fla.ops.kda").chunk_kda
+    fla_chunk = import_fla("fla.ops.kda").chunk_kda
     import kda_aot.fla  # noqa: F401  (registers the backend)
     x = cuda_inputs(4, 4, "dispatch")
     args = (x["q"], x["k"], x["v"], x["g"], x["b"])
@@ -220,14 +220,14 @@ def test_a_bf16_raw_gate_is_read_as_it_is(kda_options, monkeypatch, form, lower_
     seen, library = [], registry.library
 
     class Watched:
-        def __init__(self, program, form):
-            self.program, self.lib = program, library(program, form)
+        def __init__(self, program, form, device):
+            self.program, self.lib = program, library(program, form, device)
 
         def launch(self, desc, *args, **kw):
             if "g" in desc:
                 seen.append((self.program, desc["g"][1]))  # (ptr, dtype code, ...)
             return self.lib.launch(desc, *args, **kw)
-    monkeypatch.setattr(registry, "library", lambda program, form="default": Watched(program, form))
+    monkeypatch.setattr(registry, "library", lambda program, form="default", device=None: Watched(program, form, device))
     o16, s16, d16 = call(raw, mode)
     monkeypatch.setattr(registry, "library", library)
     bf16_reads = {p for p, code in seen if code == DTYPE_CODES[torch.bfloat16]}
@@ -266,13 +266,13 @@ def test_beta_sigmoid_in_the_kernels(kda_options, monkeypatch, neg, logits_dtype
     seen, library = [], registry.library
 
     class Watched:
-        def __init__(self, program, form):
-            self.program, self.lib = program, library(program, form)
+        def __init__(self, program, form, device):
+            self.program, self.lib = program, library(program, form, device)
 
         def launch(self, desc, *args, **kw):
             seen.append((self.program, kw.get("beta_kind")))
             return self.lib.launch(desc, *args, **kw)
-    monkeypatch.setattr(registry, "library", lambda program, form="default": Watched(program, form))
+    monkeypatch.setattr(registry, "library", lambda program, form="default", device=None: Watched(program, form, device))
 
     def call(b, mode, sigmoid):
         leaves = {n: (b if n == "b" else x[n]).clone().requires_grad_() for n in names}

@@ -129,22 +129,6 @@ def test_chunk_stage_products_match_reference():
     assert e < 1e-4, f"daqk + daqk_lo: {e:.3e} (seed {SEED})"
 
 
-@pytest.mark.parametrize("pack", list(PACKS))
-@pytest.mark.parametrize("form", ["default"])
-def test_bwd_chunk_forms_are_bitwise_equal(pack, form):
-    """The shipped kda_bwd_chunk/prefetch (state tapes read eight rows per warp at a time) writes
-    every output bit as /default (tapes read as used) does."""
-    require_form("kda_bwd_chunk", form)
-    q, k, v, g, beta, cu, h0 = make(PACKS[pack], 3, "rand", rng(("bwd-chunk-forms", pack, form)), True)
-    _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
-    dout = torch.randn(q.shape, device="cuda", generator=rng(("bwd-chunk-forms-do", pack, form))).to(torch.bfloat16)
-    dtape, _ = chunk_kda_bwd_walk(saved, dout)
-    a = chunk_kda_bwd_chunk(saved, dout, dtape, form="prefetch")
-    b = chunk_kda_bwd_chunk(saved, dout, dtape, form=form)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 def _gradients_against_reference(pack, gate, dfinal, gate_form=None):
     lens, H = PACKS[pack], 2
     q, k, v, g, beta, cu, h0 = make(lens, H, gate, rng(("grads", pack, gate, dfinal)), True)

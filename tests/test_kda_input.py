@@ -274,15 +274,6 @@ def test_chunk_kda_batched_and_packed_shapes_are_checked():
         chunk_kda_fwd(x, x, x, g, b, cu_seqlens=cu)
 
 
-def test_bwd_chunk_forms_are_checked_before_any_kernel(kda_options):
-    from kda_aot.schedule.backward import chunk_kda_bwd_chunk
-    with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
-        chunk_kda_bwd_chunk({}, None, None, form="eager")
-    kda_options(bwd_chunk_form="lazy")
-    with pytest.raises(ValueError, match="bwd_chunk_form: expected one of"):
-        chunk_kda_bwd_chunk({}, None, None)
-
-
 def test_backward_forms_are_checked_before_any_kernel(kda_options):
     from kda_aot.schedule.backward import chunk_kda_bwd
     with pytest.raises(ValueError, match="gate_form: expected one of"):
@@ -308,7 +299,7 @@ def test_backward_stage_launches_name_every_tensor(monkeypatch):
         def launch(self, desc, scale, stream):
             calls.append((self.program, {name: d[3] for name, d in desc.items()}))
 
-    monkeypatch.setattr(registry, "library", lambda program, form="default": Recorder(program))
+    monkeypatch.setattr(registry, "library", lambda program, form="default", device=None: Recorder(program))
     T, H = 200, 2
     tables = pack_tables(torch.tensor([0, 70, 200]), T, "cpu")
     C = tables.chunks.shape[0]

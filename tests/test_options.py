@@ -15,7 +15,7 @@ def test_defaults_are_the_shipped_choices():
     assert (o.walk_form, o.pipeline, o.replay_overlap, o.max_heads) == ("auto", True, True, 0)
     assert (o.cp_pipeline, o.cp_batched_summaries) == (True, True)
     assert (o.cp_exchange_beside, o.cp_piece_senders, o.debug_timing) == (False, False, False)
-    assert (o.gate_form, o.bwd_chunk_form) == ("", "")
+    assert o.gate_form == ""
 
 
 def test_parse_and_bad_values():

@@ -258,7 +258,7 @@ def emulated(monkeypatch):
             order.current.pop()
     monkeypatch.setattr(kda, "describe", lambda x, name: x)
     monkeypatch.setattr(kda, "stream_of", lambda x: order.current[-1])
-    monkeypatch.setattr(kda.registry, "library", lambda program, form="default": _Library(program, order))
+    monkeypatch.setattr(kda.registry, "library", lambda program, form="default", device=None: _Library(program, order))
     monkeypatch.setattr(kda, "device_sms", lambda device: 132)
     monkeypatch.setattr(kda, "_on_gpu", lambda x: True)  # the pipelined orders on the CPU stand-ins
     monkeypatch.setattr(kda, "_side_streams", side_streams)

@@ -78,7 +78,7 @@ def world(monkeypatch):
             w.current.pop()
     monkeypatch.setattr(kda, "describe", lambda x, name: x)
     monkeypatch.setattr(kda, "stream_of", lambda x: w.current[-1])
-    monkeypatch.setattr(kda.registry, "library", lambda program, form="default": Library(program))
+    monkeypatch.setattr(kda.registry, "library", lambda program, form="default", device=None: Library(program))
     monkeypatch.setattr(kda, "device_sms", lambda device: 132)
     monkeypatch.setattr(kda, "_on_gpu", lambda x: True)
     monkeypatch.setattr(kda, "_side_streams", side_streams)

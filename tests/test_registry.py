@@ -6,6 +6,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import CHECKOUT_ONLY, INSTALLED, ROOT
 from kda_aot._runtime import registry
@@ -44,6 +45,26 @@ def test_unknown_record_names_it():
 def test_other_arch_is_refused():
     with pytest.raises(registry.RecordError, match="no build for sm_80"):
         registry.record("conv1d_silu_fwd", "default", arch="sm_80")
+
+
+def test_the_arch_is_the_launch_device_s(monkeypatch):
+    """On a node whose GPUs differ in arch, library() loads the record of the device it is given, not the
+    current device's: a launch on the sm_90a GPU loads while an sm_80 GPU is current; one on the sm_80 GPU, or on
+    the current device, is refused by name."""
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: caps[index])
+    registry._arch_of_index.cache_clear()
+    try:
+        assert registry.library("conv1d_silu_fwd", "default", torch.device("cuda", 0)).ARCH == "sm_90a"
+        for device in (None, "cuda:1", torch.device("cuda")):
+            with pytest.raises(registry.RecordError, match="conv1d_silu_fwd/default has no build for sm_80"):
+                registry.library("conv1d_silu_fwd", "default", device)
+        with pytest.raises(ValueError, match="launch on CUDA devices, not cpu"):
+            registry.library("conv1d_silu_fwd", "default", "cpu")
+    finally:
+        registry._arch_of_index.cache_clear()
 
 
 def _patched_records(monkeypatch, **change):

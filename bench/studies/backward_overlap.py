@@ -21,9 +21,8 @@ cu = cu.cpu()
 _, _, saved = chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
 do = torch.randn_like(v)
 dtape, _ = B.chunk_kda_bwd_walk(saved, do)
-form = "prefetch"
 t1 = B.bwd_chunk_tensors(saved, do, dtape)
-B.launch_bwd_chunk(t1, form)
+B.launch_bwd_chunk(t1)
 parts = {n: t1[n] for n in B._BWD_CHUNK_OUTPUTS}
 tg = B._gate_tensors(saved, parts, "split_staged")
 t2 = B.bwd_chunk_tensors(saved, do, dtape)   # outputs of its own: chunk beside the gate reading t1's
@@ -37,7 +36,7 @@ s1, s2, s3 = (torch.cuda.Stream() for _ in range(3))
 
 
 def chunk(t=t2, a=0, b=None):
-    B.launch_bwd_chunk(t, form, a, b)
+    B.launch_bwd_chunk(t, a, b)
 
 
 def gate(a=0, b=None):

@@ -1,4 +1,4 @@
-"""(program, form) -> the compiled library of that record for the running GPU's arch.
+"""(program, form) -> the compiled library of that record for the arch of the GPU it launches on.
 
 The manifest is the source of truth: in a source checkout the repo's build.json and
 build.test.json, in an installed wheel the copy of build.json shipped beside the libraries.
@@ -62,11 +62,22 @@ def records() -> tuple[dict, ...]:
     return tuple(out)
 
 
-def running_arch() -> str:
-    """Arch of the current CUDA device; without a GPU, KDA_AOT_ARCH or DEFAULT_ARCH (for loading only)."""
-    if torch.cuda.is_available():
-        return arch_of(torch.cuda.get_device_capability())
-    return os.environ.get("KDA_AOT_ARCH", DEFAULT_ARCH)
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str:
+    return arch_of(torch.cuda.get_device_capability(index))
+
+
+def running_arch(device=None) -> str:
+    """Arch of the CUDA device `device` (default: the current one); without a GPU, KDA_AOT_ARCH or DEFAULT_ARCH
+    (for loading only)."""
+    if not torch.cuda.is_available():
+        return os.environ.get("KDA_AOT_ARCH", DEFAULT_ARCH)
+    if device is None:
+        return _arch_of_index(torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"kda_aot kernels launch on CUDA devices, not {device}")
+    return _arch_of_index(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def record(program: str, form: str = "default", arch: str | None = None) -> dict:
@@ -82,10 +93,16 @@ def record(program: str, form: str = "default", arch: str | None = None) -> dict
                       f"(rendered for {sorted(r['arch'] for r in matches)})", (program, form))
 
 
+def library(program: str, form: str = "default", device=None):
+    """The loaded extension module of (program, form) for the arch of `device` (the GPU the launch runs on;
+    default: the current one), its hash checked against the manifest. On a node whose GPUs differ in arch the
+    current device need not be the tensors'."""
+    return _library(program, form, running_arch(device))
+
+
 @functools.lru_cache(maxsize=None)
-def library(program: str, form: str = "default"):
-    """The loaded extension module of (program, form), its hash checked against the manifest."""
-    rec = record(program, form)
+def _library(program: str, form: str, arch: str):
+    rec = record(program, form, arch)
     hint = build_hint(rec["shipped"])
     name = f"{program}/{form} (record {rec['name']}, {rec['arch']})"
     try:
@@ -96,6 +113,9 @@ def library(program: str, form: str = "default"):
         raise RecordError(f"{name}: the built library is stale (it holds record {getattr(mod, 'RECORD', '?')} "
                           f"for {getattr(mod, 'ARCH', '?')}); {hint}", (program, form))
     return mod
+
+
+library.cache_clear = _library.cache_clear  # tests swap builds and manifests under the registry
 
 
 def built_forms(program: str, forms=None) -> list[str]:

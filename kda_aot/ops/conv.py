@@ -61,7 +61,7 @@ def checked_boundaries(x, weight, bias, halo, cu_seqlens) -> torch.Tensor:
 def conv1d_silu_forward(x, weight, bias, cu_seqlens, halo=None, *, out=None, form="default"):
     """Kernel call: y (bf16, [1, T, D]). `out` may be given (tests poison it)."""
     y = torch.empty_like(x) if out is None else out
-    lib = registry.library("conv1d_silu_fwd", form)
+    lib = registry.library("conv1d_silu_fwd", form, x.device)
     lib.launch(describe(x, "x"), describe(weight, "weight"), describe(bias, "bias"), describe(halo, "halo"),
                describe(cu_seqlens, "cu_seqlens"), describe(y, "y"), stream_of(x))
     return y
@@ -83,7 +83,7 @@ def conv1d_silu_backward(x, weight, bias, cu_seqlens, dy, halo=None, *, need_dha
     dhalo = None
     if need_dhalo and halo is not None:
         dhalo = out_or(out, "dhalo", lambda: torch.empty(N, 3, D, device=x.device, dtype=torch.float32))
-    lib = registry.library("conv1d_silu_bwd", form)
+    lib = registry.library("conv1d_silu_bwd", form, x.device)
     workspace = torch.empty(lib.workspace_floats(T, D), device=x.device, dtype=torch.float32)
     lib.launch(describe(x, "x"), describe(weight, "weight"), describe(bias, "bias"), describe(halo, "halo"),
                describe(cu_seqlens, "cu_seqlens"), describe(dy, "dy"), describe(dx, "dx"),

@@ -28,8 +28,8 @@ def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
     out = dict(out or {})
     y = out_or(out, "y", lambda: torch.empty_like(x))
     rstd = out_or(out, "rstd", lambda: torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32))
-    registry.library("l2norm_fwd").launch(describe(x, "x"), describe(y, "y"), describe(rstd, "rstd"), float(eps),
-                                          stream_of(x))
+    registry.library("l2norm_fwd", device=x.device).launch(describe(x, "x"), describe(y, "y"), describe(rstd, "rstd"),
+                                                          float(eps), stream_of(x))
     return y, rstd
 
 
@@ -37,8 +37,8 @@ def l2norm_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, *, ou
     """Kernel call: dx bf16 like x. `out` may hold dx."""
     require_cuda(x, "x", "l2norm")
     dx = out if out is not None else torch.empty_like(x)
-    registry.library("l2norm_bwd").launch(describe(x, "x"), describe(rstd, "rstd"), describe(dy, "dy"),
-                                          describe(dx, "dx"), stream_of(x))
+    registry.library("l2norm_bwd", device=x.device).launch(describe(x, "x"), describe(rstd, "rstd"), describe(dy, "dy"),
+                                                          describe(dx, "dx"), stream_of(x))
     return dx
 
 

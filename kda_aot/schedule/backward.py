@@ -50,15 +50,13 @@ def chunk_kda_bwd_walk(saved: dict, dout, dfinal_state=None, *, need_dinitial_st
     return t["dtape"], t["dinitial_state"]
 
 
-def chunk_kda_bwd_chunk(saved: dict, dout, dtape, *, form=None):
+def chunk_kda_bwd_chunk(saved: dict, dout, dtape):
     """The plain-product half of the chunk-parallel backward (kda_bwd_chunk) over a forward run
     with save_tape=True and the backward walk's dtape: returns a dict of dv and the intermediates
     drk, dqg, daqk, daqk_lo (dAqk's bf16 rounding residue), dakk (bf16) and dkg, daqk_diag, dbeta_v, dgam_s
-    (fp32) (see templates/common/kda.h).
-    form: one of BWD_CHUNK_FORMS (default: Options.bwd_chunk_form, else the shipped one)."""
-    form = kda._pick_form("bwd_chunk_form", form, kda.BWD_CHUNK_FORMS)
+    (fp32) (see templates/common/kda.h)."""
     t = bwd_chunk_tensors(saved, dout, dtape)
-    launch_bwd_chunk(t, form)
+    launch_bwd_chunk(t)
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
@@ -87,12 +85,12 @@ def bwd_chunk_tensors(saved: dict, dout, dtape) -> dict:
     return t
 
 
-def launch_bwd_chunk(t: dict, form: str, first: int = 0, end: int | None = None):
+def launch_bwd_chunk(t: dict, first: int = 0, end: int | None = None):
     """kda_bwd_chunk over chunks [first, end) (all by default; per-chunk tensors narrowed as in
     _launch_chunk_stage: each chunk reads and writes its own rows)."""
     desc = {name: kda.describe(x, name) for name, x in kda._chunk_range(t, first, end).items()}
-    registry.library("kda_bwd_chunk", form).launch(desc, t["scale"], kda.stream_of(t["dout"]),
-                                                    **kda.beta_launch_args(t["beta_kind"]))
+    lib = registry.library("kda_bwd_chunk", device=t["dout"].device)
+    lib.launch(desc, t["scale"], kda.stream_of(t["dout"]), **kda.beta_launch_args(t["beta_kind"]))
 
 
 def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
@@ -121,7 +119,7 @@ def _gate_tensors(saved: dict, parts: dict, gate_form: str) -> dict:
 
 def _launch_gate(t: dict, gate_form: str):
     desc = {name: kda.describe(x, name) for name, x in t.items() if isinstance(x, torch.Tensor)}
-    kda.launch_gated(registry.library("kda_bwd_gate", gate_form), desc, t["scale"], kda.stream_of(t["q"]),
+    kda.launch_gated(registry.library("kda_bwd_gate", gate_form, t["q"].device), desc, t["scale"], kda.stream_of(t["q"]),
                      t.get("gate"), t["beta_kind"])
 
 
@@ -199,7 +197,6 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
     v = saved["v"]  # H below: the value heads
     lengths, H = saved["chain_lengths"], v.shape[2]
     runs = segment_runs(set(rewalk), len(lengths))
-    form = kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS)
     t = bwd_chunk_tensors(saved, dout, dtape)
     sms = fit.rewalk_beside(tuple(lengths), tuple(rewalk), H, kda.device_sms(v.device))
 
@@ -210,7 +207,7 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
                                pool="kda_bwd_walk/rewalk")
     if sms is None:
         walk_again()
-        launch_bwd_chunk(t, form)
+        launch_bwd_chunk(t)
     else:
         first = (0, *itertools.accumulate(lengths))
         main = torch.cuda.current_stream(v.device)
@@ -221,11 +218,11 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
                 walk_again(sms)
             for inside, a, b in grouping.runs_of([s not in rewalk for s in range(len(lengths))]):
                 if inside:
-                    launch_bwd_chunk(t, form, first[a], first[b])
+                    launch_bwd_chunk(t, first[a], first[b])
         finally:
             main.wait_stream(side)
         for a, b in runs:
-            launch_bwd_chunk(t, form, first[a], first[b])
+            launch_bwd_chunk(t, first[a], first[b])
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
@@ -409,12 +406,12 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
         saved["into"] = into
     launched = None
     if bwd_chunk:  # allocated before the walks: qg (the backward walk's) is alive beside them, replay_bytes_per_head
-        launched = (bwd_chunk_tensors(saved, do, dtape), kda._pick_form("bwd_chunk_form", None, kda.BWD_CHUNK_FORMS))
+        launched = bwd_chunk_tensors(saved, do, dtape)
     execute.run(plan, execute.Call(prepared, buffers, outs, save_tape=True, want_output=False, dout=do, dtape=dtape,
                                    piece_chunks=piece_chunks, bwd_chunk=launched))
     if not bwd_chunk:
         return saved, [dtape, dh0]
-    return saved, [None, dh0], {name: launched[0][name] for name in _BWD_CHUNK_OUTPUTS}
+    return saved, [None, dh0], {name: launched[name] for name in _BWD_CHUNK_OUTPUTS}
 
 
 def replay_backward(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, gate=None, beta_kind=kda.BETA_PLAIN,

@@ -21,7 +21,7 @@ class Call:
     (initial_state, final_state, handoff, ...; the exchange node adds `entering`); outputs: the forward walk's
     (o, tape, vnew; None where not asked for); dout, dtape: the backward walk's; piece_chunks: the pieces' chunk
     bounds on the device (int32); exchange: performs the RunExchange node (context parallelism); bwd_chunk:
-    kda_bwd_chunk's tensors (backward.bwd_chunk_tensors) and form, which the BwdChunk nodes launch over."""
+    kda_bwd_chunk's tensors (backward.bwd_chunk_tensors), which the BwdChunk nodes launch over."""
     prepared: dict
     buffers: dict
     outputs: dict
@@ -32,7 +32,7 @@ class Call:
     dtape: Optional[torch.Tensor] = None
     piece_chunks: Optional[torch.Tensor] = None
     exchange: object = None
-    bwd_chunk: Optional[tuple] = None
+    bwd_chunk: Optional[dict] = None
     events: dict = field(default_factory=dict)
 
     def rows(self, ref: Optional[Rows]):
@@ -82,7 +82,7 @@ def _chunk_stage(node: ChunkStage, plan, call: Call, streams):
 
 
 def _bwd_chunk(node: BwdChunk, plan, call: Call, streams):
-    backward.launch_bwd_chunk(*call.bwd_chunk, node.first, node.end)
+    backward.launch_bwd_chunk(call.bwd_chunk, node.first, node.end)
 
 
 def _wait(node: Wait, plan, call: Call, streams):

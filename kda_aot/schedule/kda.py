@@ -201,7 +201,7 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
     tensors = {name: x for name, x in t.items() if isinstance(x, torch.Tensor)}
     if len(plan) == 1:
         desc = {name: describe(x, name) for name, x in tensors.items()}
-        registry.library(program, plan[0][0]).launch(desc, scale, stream_of(tensors["seg_chunks"]))
+        registry.library(program, plan[0][0], device).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
     main = torch.cuda.current_stream(device)
     streams = _side_streams(device, len(plan), pool or program)
@@ -212,20 +212,17 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
             part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
             part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
             desc = {name: describe(x, name) for name, x in part.items()}
-            registry.library(program, form).launch(desc, scale, st.cuda_stream)
+            registry.library(program, form, device).launch(desc, scale, st.cuda_stream)
     finally:  # joined even when a launch raises: queued runs may still read the caller's tensors
         for st in streams:
             main.wait_stream(st)
     return plan
 
 
-# Forms of the chunk-parallel programs (codegen/catalog.py): the first of each ships, the others are
-# test-only records measured against it (bench/forms_ab.py).
 # What the forward of a replay call keeps beside its inputs for the replay's chunk stage (_chunk_stage_tensors).
 REPLAY_KEPT = ("aqk", "inv_pack")
 CHUNK_FORM = "lean"  # kda_fwd_chunk (`replay`: the replay's stage, _chunk_stage_tensors; lean_prof: bench/chunk_profile.py)
-BWD_CHUNK_FORMS = ("prefetch", "default")            # kda_bwd_chunk
-GATE_FORMS = ("split_staged", "full")  # kda_bwd_gate
+GATE_FORMS = ("split_staged", "full")  # kda_bwd_gate: the shipped form first, then the test-only check of its split
 
 
 def _pick_form(what: str, form, forms: tuple) -> str:
@@ -307,7 +304,7 @@ def _launch_chunk_stage(t: dict, initial_state, first: int = 0, end: int | None 
     desc = {name: describe(x, name) for name, x in part.items()}
     if initial_state is not None:  # checked (dtype, shape, device) with everything else, before any launch
         desc["initial_state"] = describe(initial_state, "initial_state")
-    launch_gated(registry.library("kda_fwd_chunk", form), desc, t["scale"], stream_of(t["q"]), t["gate"],
+    launch_gated(registry.library("kda_fwd_chunk", form, t["q"].device), desc, t["scale"], stream_of(t["q"]), t["gate"],
                  t["beta_kind"])
 
 
@@ -486,5 +483,5 @@ def chunk_kda_transfer(saved: dict):
     t = {name: saved[name] for name in ("q", "chunks", "seg_chunks", "w", "kg", "gamma")}
     t["transfer"] = torch.empty(N, H, HEAD_DIM, HEAD_DIM, device=q.device, dtype=torch.float32)
     desc = {name: describe(x, name) for name, x in t.items()}
-    registry.library("kcp_transfer", "full").launch(desc, saved["scale"], stream_of(q))
+    registry.library("kcp_transfer", "full", q.device).launch(desc, saved["scale"], stream_of(q))
     return t["transfer"]
