@@ -46,6 +46,22 @@ TEST_ONLY_RECORDS = frozenset((r["program"], r["form"])
                               for r in json.loads((ROOT / "build.test.json").read_text())["records"])
 
 HAS_GPU = torch.cuda.is_available()
+# KDA_AOT_REQUIRE_FLA=1 (CI, the device scripts): a test that needs flash-linear-attention fails without it
+# instead of skipping, so a run that lost FLA cannot pass with its comparisons left out.
+REQUIRE_FLA = os.environ.get("KDA_AOT_REQUIRE_FLA") == "1"
+
+
+def import_fla(module: str):
+    """FLA's `module` (or einops, which its layer needs), else a skip (a failure under KDA_AOT_REQUIRE_FLA=1)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = f"{module} is not installed ({e})"
+        if REQUIRE_FLA:
+            pytest.fail(missing + "; KDA_AOT_REQUIRE_FLA=1 asks for it")
+        pytest.skip(missing)
+
+
 # A test that needs a CUDA GPU: skipped without one (pytest_runtest_setup); with one, every allocation it makes
 # starts as NaN (nan_filled_memory).
 gpu = pytest.mark.gpu

@@ -25,13 +25,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
+from conftest import gpu  # noqa: E402
 import test_cp_gloo as G  # noqa: E402
 from cp_cases import gen_for  # noqa: E402
 from bench.numerics import gate as numerics_gate  # noqa: E402
 from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = gpu
 W, H, K = 2, 2, 128
 TRANSPORT = "cuda" if torch.cuda.device_count() >= 2 else "cuda-shared"  # cp_workers.run_job's device
 REL = 1e-2

@@ -18,9 +18,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
+from conftest import gpu  # noqa: E402
 import test_cp_gloo as G  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+pytestmark = [gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 W = 2
 _JOB = {}
 

@@ -10,7 +10,7 @@ tie, which draws move by a few per cent) plus 1e-6 (the weight's bf16 gradient, 
 import pytest
 import torch
 
-from conftest import gpu
+from conftest import gpu, import_fla
 from test_conv_gpu import assert_bf16_close, rng
 import kda_aot
 from kda_aot import reference
@@ -22,7 +22,7 @@ TIE = 1.1
 @pytest.fixture
 def fla_conv(monkeypatch):
     """(FLA's ShortConvolution class, the kernel calls kda_aot's backend made) with the backend registered."""
-    conv = pytest.importorskip("fla.modules.causal_conv1d")
+    conv = import_fla("fla.modules.causal_conv1d")
     import kda_aot.fla as backend
     calls = []
     for name in ("conv1d_silu_fwd_op", "conv1d_silu_bwd_op"):

@@ -11,10 +11,9 @@ fp64 per op, through the layer's projections and norm; measured 6.4e-3 on the H2
 
 On a fresh machine FLA's Triton kernels autotune for these shapes first: ~4 min (carry the Triton cache, as
 bench/device_env.sh does)."""
-import pytest
 import torch
 
-from conftest import gpu, seed_of
+from conftest import gpu, import_fla, seed_of
 
 pytestmark = gpu
 AGAINST_FLA = 2e-2
@@ -31,8 +30,8 @@ LENS = [1, 63, 64, 65, 2000, 0, 700]  # an empty document, one of a token, one a
 def served_layer(monkeypatch, seed, dtype):
     """FLA's layer (the shapes of bench/device_wheel.sh's layer step: one FLA autotune serves every test) with its
     parameters in dtype, the counts of the calls kda_aot serves, the pack's cu_seqlens and an input x."""
-    pytest.importorskip("fla")
-    pytest.importorskip("einops")
+    import_fla("fla")
+    import_fla("einops")
     from bench.fla_layer import count_kda_aot_calls, kda_layer_class
     served = count_kda_aot_calls(monkeypatch.setattr)
     monkeypatch.delenv("FLA_KDA_AOT_CONV", raising=False)

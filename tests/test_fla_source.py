@@ -9,7 +9,6 @@ import ast
 import importlib.metadata
 import importlib.util
 import inspect
-import os
 import zipfile
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 import kda_aot
 from kda_aot.ops.gate import kda_gate
 
-from conftest import ROOT
+from conftest import REQUIRE_FLA, ROOT
 from reftools import fla_gate
 
 FLA_VERSION = "0.6.0"
@@ -50,7 +49,7 @@ def fla_file(relpath: str) -> str:
     wheel = _wheel()
     if wheel is None:
         missing = f"fla-core {FLA_VERSION} is neither installed nor in .whl/ (scripts/test.sh downloads it)"
-        if os.environ.get("KDA_AOT_REQUIRE_FLA") == "1":
+        if REQUIRE_FLA:
             pytest.fail(missing + "; KDA_AOT_REQUIRE_FLA=1 asks for it")
         pytest.skip(missing)
     with zipfile.ZipFile(wheel) as z:
