@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 from . import TEMPLATES
 from .catalog import Record
@@ -29,18 +31,26 @@ def _rel(path) -> str:
     return path.relative_to(TEMPLATES.parent).as_posix()
 
 
-def our_includes(text: str, seen: dict[str, str]) -> None:
-    """Add every `#include "x"` and `{% include "x" %}` that resolves under templates/ (recursively) to `seen`."""
-    for name in _INCLUDE.findall(text) + _JINJA_INCLUDE.findall(text):
-        path = TEMPLATES / name
-        if not path.is_file():
-            continue  # not ours (e.g. a system or pybind11 header in quotes)
-        key = _rel(path)
+def our_includes(text: str, seen: dict[str, str], where=None) -> None:
+    """Add every `#include "x"` and `{% include "x" %}` of `text` to `seen`, recursively. A quoted include resolves
+    as nvcc resolves it: beside the including header (`where`, its folder; None for a template, whose rendered
+    unit lives in generated/), then under templates/ (-I templates). One that resolves to no file of ours is an
+    error: a header the hash cannot read would let its edits keep the record's name. (System and CUDA headers are
+    included with <>.)"""
+    names = [(name, True) for name in _INCLUDE.findall(text)] + [(name, False) for name in _JINJA_INCLUDE.findall(text)]
+    for name, quoted in names:
+        candidates = ([where / name] if quoted and where is not None else []) + [TEMPLATES / name]
+        path = next((c for c in candidates if c.is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"codegen: {'#include' if quoted else 'a Jinja include of'} \"{name}\" "
+                                    f"(in {_rel(where) if where is not None else 'a template'}) is no file under "
+                                    f"templates/; system headers go in <>")
+        key = _rel(Path(os.path.normpath(path)))
         if key in seen:
             continue
         data = path.read_bytes()
         seen[key] = sha256_bytes(data)
-        our_includes(data.decode(), seen)
+        our_includes(data.decode(), seen, path.parent)
 
 
 def dependencies(record: Record) -> dict[str, str]:

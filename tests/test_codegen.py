@@ -103,9 +103,28 @@ def test_rendered_includes_are_hash_inputs():
     for rec in RECORDS:
         deps = dependencies(rec)
         for text in render_record(rec).files.values():
-            for name in include.findall(text):
-                if (TEMPLATES / name).is_file():
-                    assert f"templates/{name}" in deps, (rec.program, rec.form, name)
+            for name in include.findall(text):  # every quoted include is ours (hashing refuses any other)
+                assert (TEMPLATES / name).is_file() and f"templates/{name}" in deps, (rec.program, rec.form, name)
+
+
+def test_includes_resolve_as_nvcc_resolves_them(tmp_path, monkeypatch):
+    """A header's quoted include resolves beside it first, then under templates/ (nvcc's order), and each
+    resolved header is a hash input; one that resolves nowhere is an error, not a header left out of the hash."""
+    from codegen import hashing
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "a.cuh").write_text('#include "b.h"\n')
+    (tmp_path / "common" / "b.h").write_text('#include "common/c.h"\n')
+    (tmp_path / "common" / "c.h").write_text("// c\n")
+    monkeypatch.setattr(hashing, "TEMPLATES", tmp_path)
+    monkeypatch.setattr(hashing, "_rel", lambda path: path.relative_to(tmp_path).as_posix())
+    seen = {}
+    hashing.our_includes('#include "common/a.cuh"\n', seen)
+    assert sorted(seen) == ["common/a.cuh", "common/b.h", "common/c.h"]
+    with pytest.raises(FileNotFoundError, match=r'#include "b.h" \(in a template\) is no file under templates/'):
+        hashing.our_includes('#include "b.h"\n', {})  # a template's unit is compiled in generated/, not common/
+    (tmp_path / "common" / "c.h").write_text('#include "cuda_bf16.h"\n')
+    with pytest.raises(FileNotFoundError, match=r'"cuda_bf16.h" \(in common\)'):
+        hashing.our_includes('#include "common/a.cuh"\n', {})
 
 
 def test_manifest_edit_is_detected(repo_copy):
