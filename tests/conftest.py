@@ -122,8 +122,14 @@ def pytest_runtest_call(item):
 
 
 def seed_of(tag) -> int:
-    """A seed fresh per run (from SEED) and the same for a tag within it: replay with KDA_TEST_SEED=<SEED>."""
+    """A seed fresh per run (from SEED) and the same for a tag within it: replay with KDA_TEST_SEED=<SEED>. (crc32
+    of the tag's repr, not hash(): str hashes vary with PYTHONHASHSEED.)"""
     return (SEED * 1000003 + zlib.crc32(repr(tag).encode())) % (2 ** 63)
+
+
+def generator(tag, device="cpu") -> torch.Generator:
+    """A generator on `device` seeded with seed_of(tag): every test's random inputs come from one of these."""
+    return torch.Generator(device=device).manual_seed(seed_of(tag))
 
 
 @pytest.fixture(autouse=True)
@@ -136,9 +142,8 @@ def seeded_global_rng(request):
 @pytest.fixture
 def gen(request):
     """A CPU generator seeded from SEED and the test's id: fresh per run, replayable per test."""
-    seed = (SEED + zlib.crc32(request.node.nodeid.encode())) % (2 ** 63)
-    print(f"[seed] KDA_TEST_SEED={SEED} -> {request.node.nodeid} seed {seed}")
-    return torch.Generator().manual_seed(seed)
+    print(f"[seed] KDA_TEST_SEED={SEED} -> {request.node.nodeid}")
+    return generator(request.node.nodeid)
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ computes on them (kda_aot.reference, fp64 or fp32)."""
 from __future__ import annotations
 
 import functools
-import os
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +13,7 @@ from kda_aot import reference
 from kda_aot.nn import PackedKDA
 from reftools import fla_beta, fla_gate, fla_heads
 
-try:
-    from conftest import SEED
-except ImportError:  # run outside pytest's conftest discovery
-    SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+from conftest import generator
 
 H, K = 2, 16
 T = 384                   # divisible by 2W for every W tested (contiguous/zigzag need it)
@@ -38,7 +33,7 @@ PACKS = {
 
 
 def _random_pack():
-    g = torch.Generator().manual_seed(SEED ^ 0x5EED)
+    g = generator("cp-random-pack")
     cuts = sorted(torch.randperm(T - 1, generator=g)[:6].add(1).tolist())
     return [b - a for a, b in zip([0] + cuts, cuts + [T])]
 
@@ -53,8 +48,7 @@ def cu_of(lens):
 
 
 def gen_for(*key):
-    seed = (SEED + zlib.crc32(repr(key).encode())) % (2 ** 63)
-    return torch.Generator().manual_seed(seed)
+    return generator(key)
 
 
 FLA_CASES = {"softplus": {"lower_bound": None, "allow_neg_eigval": False},

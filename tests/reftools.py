@@ -1,12 +1,20 @@
-"""Helpers shared by the reference-math tests (CPU, fp64 by default)."""
+"""Helpers shared by the tests: the error measures, and the reference-math tests' inputs (CPU, fp64 by default)."""
 import torch
 import torch.nn.functional as F
 
 F64 = torch.float64
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+def rel_rms(got, want) -> float:
+    """||got - want|| / ||want||, in fp64: the normwise relative error the kernels' bounds are stated in."""
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want|, in fp64: the elementwise measure of the reference-math tests."""
+    want = want.double()
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
 
 def rand_lens(gen, fixed=(1, 2, 63, 64, 65, 130), n_random=2, hi=200):

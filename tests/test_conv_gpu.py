@@ -11,19 +11,15 @@ Outputs are poisoned with NaN first: an unwritten element fails every bound.
 import pytest
 import torch
 
-from conftest import SEED, gpu, seed_of
+from conftest import SEED, gpu
 from kda_aot import causal_conv1d_silu, reference
 from kda_aot._runtime import registry
 from kda_aot.ops.conv import conv1d_silu_backward, conv1d_silu_forward
 from kda_aot.ops.norm import L2NORM_EPS
-from test_kda_fwd_gpu import require_form
+from test_kda_fwd_gpu import require_form, rng
 
 pytestmark = gpu
 BF16_REL = 2.0 ** -8
-
-
-def rng(tag):
-    return torch.Generator(device="cuda").manual_seed(seed_of(tag))
 
 
 def pack(lens, D, gen, *, halo=False, cu_dtype=torch.int32, bias=True):

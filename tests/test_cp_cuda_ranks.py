@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
 from conftest import gpu  # noqa: E402
+from reftools import rel_rms  # noqa: E402
 import test_cp_gloo as G  # noqa: E402
 from cp_cases import gen_for  # noqa: E402
 from bench.numerics import gate as numerics_gate  # noqa: E402
@@ -146,10 +147,6 @@ def test_exchange_beside_is_bitwise_the_default(layout, pack):
                 y = b[mode][key]
                 assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), \
                     f"rank {r} {mode} {key} ({layout} {pack}) differs with the exchange beside"
-
-
-def rel_rms(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("layout,pack,summaries", [(lay, p, "batched") for lay in cp.LAYOUTS for p in PACKS]

@@ -33,7 +33,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_workers  # noqa: E402
-from cp_cases import (FLA_CASES, H, K, MAIN_PACKS, PACKS, SEED, conv_expected, conv_inputs, cu_of,  # noqa: E402
+from conftest import SEED  # noqa: E402
+from reftools import rel_err  # noqa: E402
+from cp_cases import (FLA_CASES, H, K, MAIN_PACKS, PACKS, conv_expected, conv_inputs, cu_of,  # noqa: E402
                       fla_expected, fla_inputs, kda_expected, kda_inputs, module_expected, module_inputs)
 from kda_aot import cp, reference  # noqa: E402
 from kda_aot.nn import PackedKDA  # noqa: E402
@@ -59,10 +61,6 @@ FP64_PACKS = {2: ["mixed"], 3: ["random"], 4: ["short"], 8: ["tiny"]}
 ERROR_VARIANTS = ["cu_seqlens", "layout", "local_shape", "heads", "wrong_rank", "world_size",
                   "halo_layout", "module_local_shape", "module_heads"]
 ERROR_WORLDS = (2, 3)
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 # ----------------------------------------------------------------------------- strong gates, FLA's activations

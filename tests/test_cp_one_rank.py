@@ -8,13 +8,10 @@ import torch
 from kda_aot import cp
 from kda_aot.nn import PackedKDA
 
-from conftest import SEED
+from conftest import generator
+from reftools import rel_err
 
 REL_BOUND = 1e-4  # fp32 CP against the fp32 single device (tests/test_cp_gloo.py's bound and its reasons)
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def test_not_initialised_is_a_clear_error():
@@ -58,7 +55,7 @@ def one_rank(tmp_path):
 
 
 def _small(T=100, H=2, D=16, seed=0):
-    gen = torch.Generator().manual_seed(SEED + seed)
+    gen = generator(("small", T, H, D, seed))
     q, k, v = (torch.randn(1, T, H * D, generator=gen, requires_grad=True) for _ in range(3))
     return q, k, v, -torch.rand(1, T, H, D, generator=gen), torch.rand(1, T, H, generator=gen)
 
@@ -123,7 +120,7 @@ def test_compiled_cp_step_serves_every_plan_and_ignores_autocast(one_rank):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(step, fullgraph=True, backend="eager")
-    gen = torch.Generator().manual_seed(SEED)
+    gen = generator("compiled")
     xs = [torch.randn(1, 100, 2, 8, generator=gen) for _ in range(5)]
     xs[3], xs[4] = -xs[3].abs(), xs[4][..., 0].sigmoid()
     for cut in (10, 40, 70, 90):

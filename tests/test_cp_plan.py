@@ -6,8 +6,6 @@ KDA_TEST_SEED=<seed>).
 from __future__ import annotations
 
 import dataclasses
-import os
-import zlib
 
 import pytest
 import torch
@@ -15,10 +13,7 @@ import torch
 from kda_aot import cp
 from kda_aot.cp.plan import CHUNK
 
-try:
-    from conftest import SEED
-except ImportError:
-    SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+from conftest import SEED, generator
 print(f"[test_cp_plan] KDA_TEST_SEED={SEED}")
 
 WORLDS = (1, 2, 3, 4, 8)
@@ -30,7 +25,7 @@ def cu_of(lens):
 
 
 def random_pack(key, n_docs):
-    g = torch.Generator().manual_seed((SEED + zlib.crc32(key.encode())) % (2 ** 63))
+    g = generator(key)
     cuts = sorted(torch.randperm(T - 1, generator=g)[:n_docs - 1].add(1).tolist())
     return [b - a for a, b in zip([0] + cuts, cuts + [T])]
 

@@ -5,7 +5,8 @@ Fresh random inputs every run (seed printed by conftest)."""
 import pytest
 import torch
 
-from conftest import SEED
+from conftest import SEED, generator
+from reftools import rel_rms
 from kda_aot import reference
 from kda_aot.cp.summaries import compose_pieces
 
@@ -20,13 +21,9 @@ def fragment(length: int, H: int, K: int, gen):
     return k, v, g, beta
 
 
-def rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
 @pytest.mark.parametrize("chunks_per_piece", [[3], [1, 1, 1], [2, 1, 3], [4, 1]])
 def test_pieces_compose_to_the_fragment(chunks_per_piece):
-    gen = torch.Generator().manual_seed(SEED + sum(chunks_per_piece) * 131 + len(chunks_per_piece))
+    gen = generator(("pieces", tuple(chunks_per_piece)))
     H, K, C = 2, 16, 64
     length = C * (sum(chunks_per_piece) - 1) + 37  # the last chunk partial
     k, v, g, beta = fragment(length, H, K, gen)
@@ -39,14 +36,14 @@ def test_pieces_compose_to_the_fragment(chunks_per_piece):
         M = torch.stack([m for m, _ in parts]).to(dtype)
         B = torch.stack([b for _, b in parts]).to(dtype)
         (Mf, Bf), = compose_pieces(M, B, [len(parts)])
-        assert Mf.dtype == dtype and rel(Mf, whole_M) < bound and rel(Bf, whole_B) < bound, (dtype, SEED)
+        assert Mf.dtype == dtype and rel_rms(Mf, whole_M) < bound and rel_rms(Bf, whole_B) < bound, (dtype, SEED)
         (Mo, none), = compose_pieces(M, None, [len(parts)])
         assert none is None and torch.equal(Mo, Mf)
 
 
 def test_several_fragments_in_one_call():
     """counts splits the stacked pieces between fragments, in order."""
-    gen = torch.Generator().manual_seed(SEED + 7)
+    gen = generator("summaries-7")
     H, K = 1, 8
     frags = [fragment(n, H, K, gen) for n in (100, 64, 200)]
     counts = [2, 1, 3]
@@ -58,7 +55,7 @@ def test_several_fragments_in_one_call():
     got = compose_pieces(torch.stack([m for m, _ in pieces]), torch.stack([b for _, b in pieces]), counts)
     assert len(got) == 3
     for (M, B), (wM, wB) in zip(got, want):
-        assert rel(M, wM) < 1e-10 and rel(B, wB) < 1e-10
+        assert rel_rms(M, wM) < 1e-10 and rel_rms(B, wB) < 1e-10
 
 
 def test_batched_summaries_gather_the_pieces(monkeypatch):
@@ -70,7 +67,7 @@ def test_batched_summaries_gather_the_pieces(monkeypatch):
     from kda_aot.cp.backends import CudaBackend
     from kda_aot._runtime.packing import pack_tables
 
-    gen = torch.Generator().manual_seed(SEED + 11)
+    gen = generator("summaries-11")
     H, K = 2, 8
     lens = [130, 5000, 65, 3000, 1]
     T = sum(lens)
@@ -107,5 +104,5 @@ def test_batched_summaries_gather_the_pieces(monkeypatch):
     for seg, (M, B), want_b in zip((1, 3, 4), got, (True, False, True)):
         lo, hi = int(cu[seg]), int(cu[seg + 1])
         wM, wB = reference.fragment_summary(k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])
-        assert rel(M, wM) < 1e-10, seg
-        assert (B is None) if not want_b else rel(B, wB) < 1e-10, seg
+        assert rel_rms(M, wM) < 1e-10, seg
+        assert (B is None) if not want_b else rel_rms(B, wB) < 1e-10, seg

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import gpu, import_fla
+from reftools import rel_rms
 from test_conv_gpu import assert_bf16_close, rng
 import kda_aot
 from kda_aot import reference
@@ -56,10 +57,6 @@ def reference_of(layer, x, dy, cu):
     if b is not None:
         out["bias"] = b.grad
     return out
-
-
-def rel_rms(got, ref):
-    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -14,14 +14,11 @@ bench/device_env.sh does)."""
 import torch
 
 from conftest import gpu, import_fla, seed_of
+from reftools import rel_rms
 
 pytestmark = gpu
 AGAINST_FLA = 2e-2
 COMPILED = 5e-3
-
-
-def rel_rms(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 LENS = [1, 63, 64, 65, 2000, 0, 700]  # an empty document, one of a token, one across many chunks

@@ -5,7 +5,6 @@ tests/test_fla_signature_gpu.py); what is checked here is everything chunk_kda d
 FLA's formulas written out independently, values and gradients."""
 import inspect
 import math
-import zlib
 from fractions import Fraction
 
 import pytest
@@ -17,8 +16,8 @@ from kda_aot.ops import chunk_kda as op
 from kda_aot.ops.norm import L2NORM_EPS, l2norm_torch
 from kda_aot.schedule import kda
 
-from conftest import SEED
-from reftools import fla_beta, fla_gate, fla_heads
+from conftest import generator
+from reftools import fla_beta, fla_gate, fla_heads, rel_rms
 
 FLA_PARAMETERS = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
                   "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
@@ -35,8 +34,7 @@ def l2norm_as_the_kernel(x):
 
 
 def gen(*key):
-    """Seeded from SEED and key: replayable with KDA_TEST_SEED under any PYTHONHASHSEED (str hashes vary)."""
-    return torch.Generator().manual_seed((SEED + zlib.crc32(repr(key).encode())) % (2 ** 63))
+    return generator(key)
 
 
 def inputs(lens, H, HV, seed):
@@ -92,10 +90,6 @@ def run_ours(x, **kw):
     return o.detach(), s.detach(), {n: t.grad for n, t in leaves.items()}
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
-
-
 def test_the_signature_is_flas():
     params = list(inspect.signature(kda_aot.chunk_kda).parameters)
     assert params[:len(FLA_PARAMETERS)] == FLA_PARAMETERS
@@ -118,10 +112,10 @@ def test_fla_layer_call_matches_flas_formulas(reference_op, HV, lower_bound, neg
                            state_v_first=v_first)
     eo, es, egrads = expected(x, lower_bound=lower_bound, neg=neg, v_first=v_first)
     assert reference_op == ["replay"]
-    assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
+    assert rel_rms(o, eo) < 1e-6 and rel_rms(s, es) < 1e-6
     for n, want in egrads.items():
         bound = 1e-2 if n in ("q", "k", "v") else 1e-5
-        assert rel(grads[n], want) < bound, f"d{n}: {rel(grads[n], want):.2e}"
+        assert rel_rms(grads[n], want) < bound, f"d{n}: {rel_rms(grads[n], want):.2e}"
 
 
 def test_sigmoid_gate_without_a_log(reference_op):
@@ -129,8 +123,8 @@ def test_sigmoid_gate_without_a_log(reference_op):
     x = dict(inputs([70, 1, 130], 4, 4, "sigmoid-no-a-log"), A_log=None)
     o, s, grads = run_ours(x, lower_bound=-3.0)
     eo, es, egrads = expected(x, lower_bound=-3.0)
-    assert rel(o, eo) < 1e-6 and rel(s, es) < 1e-6
-    assert "A_log" not in grads and rel(grads["g"], egrads["g"]) < 1e-5 and rel(grads["dt_bias"], egrads["dt_bias"]) < 1e-5
+    assert rel_rms(o, eo) < 1e-6 and rel_rms(s, es) < 1e-6
+    assert "A_log" not in grads and rel_rms(grads["g"], egrads["g"]) < 1e-5 and rel_rms(grads["dt_bias"], egrads["dt_bias"]) < 1e-5
 
 
 def test_a_lower_bound_from_numpy_is_a_number(reference_op):
@@ -161,7 +155,7 @@ def test_precomputed_gate_and_bf16_g(reference_op):
     o, _ = kda_aot.chunk_kda(q, k, v, g, beta, cu_seqlens=x["cu"])
     want, _ = reference.kda_chunked(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                     cu_seqlens=x["cu"].tolist(), dtype=torch.float64)
-    assert rel(o, want) < 1e-12
+    assert rel_rms(o, want) < 1e-12
     o_list, _ = kda_aot.chunk_kda(q, k, v, g, beta, cu_seqlens=x["cu"].tolist())  # boundaries as a list, as PackedKDA
     assert torch.equal(o_list, o)
     with pytest.raises(TypeError, match="cu_seqlens: expected a tensor or a sequence of ints"):
@@ -232,15 +226,15 @@ def test_scale_and_initial_state_positionally(reference_op):
     want, ws = reference.kda_chunked(*(t.double() for t in (x["q"], x["k"], x["v"], g, b)), cu_seqlens=x["cu"].tolist(),
                                      scale=0.05, initial_state=x["h0"].double(), output_final_state=True,
                                      dtype=torch.float64)
-    assert rel(o, want) < 1e-12 and rel(s, ws) < 1e-12
+    assert rel_rms(o, want) < 1e-12 and rel_rms(s, ws) < 1e-12
     with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
         _, sv = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, 0.05, x["h0"].transpose(-1, -2), True,
                                   cu_seqlens=x["cu"], transpose_state_layout=True)
-    assert rel(sv.transpose(-1, -2), ws) < 1e-12
+    assert rel_rms(sv.transpose(-1, -2), ws) < 1e-12
     assert not math.isnan(o.double().sum().item())
     for scale in (torch.tensor(0.05, dtype=torch.float64), Fraction(1, 20)):  # a one-element tensor, any real number
         o2, _ = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, scale, x["h0"], True, cu_seqlens=x["cu"])
-        assert rel(o2, want) < 1e-12
+        assert rel_rms(o2, want) < 1e-12
 
 
 def test_beta_logits_go_to_the_op(monkeypatch):
@@ -279,4 +273,4 @@ def test_beta_logits_grad_is_flas():
     for kind, scale in ((kda.BETA_SIGMOID, 1.0), (kda.BETA_SIGMOID_2, 2.0)):
         x = b.clone().requires_grad_()
         (scale * torch.sigmoid(x) * dbeta.double()).sum().backward()
-        assert rel(kda.beta_logits_grad(dbeta, b.float(), kind), x.grad) < 1e-6
+        assert rel_rms(kda.beta_logits_grad(dbeta, b.float(), kind), x.grad) < 1e-6

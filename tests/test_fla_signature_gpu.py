@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import gpu, import_fla
-from reftools import fla_gate
+from reftools import fla_gate, rel_rms
 from test_fla_signature import expected, inputs  # FLA's formulas, written out
 import kda_aot
 
@@ -25,10 +25,6 @@ def on_cpu_f64(x: dict) -> dict:
     """x's tensors on the CPU, the floating ones in fp64 (boundaries stay integers)."""
     return {n: ((t.double() if t.is_floating_point() else t).cpu() if isinstance(t, torch.Tensor) else t)
             for n, t in x.items()}
-
-
-def rel_rms(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def cuda_inputs(H, HV, tag):

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SEED, gpu, seed_of
+from conftest import SEED, generator, gpu
+from reftools import rel_rms
 from kda_aot import reference
 from kda_aot.schedule.kda import chunk_kda_fwd, chunk_kda_prepare, chunk_kda_walk
 
@@ -20,7 +21,7 @@ REL = 1e-2
 
 
 def rng(tag):
-    return torch.Generator(device="cuda").manual_seed(seed_of(tag))
+    return generator(tag, "cuda")
 
 
 def poisoned(x):
@@ -53,10 +54,6 @@ def make(lens, H, gate, gen, init):
     cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
     h0 = torch.randn(len(lens), H, 128, 128, device=dev, generator=gen) * 0.1 if init else None
     return q, k, v, g, beta, cu, h0
-
-
-def rel_rms(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 PACKS = {"edges": [1, 63, 64, 65, 130, 2], "long": [1000, 1, 1537], "one": [64]}

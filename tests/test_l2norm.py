@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import HAS_GPU, gpu
+from reftools import rel_rms
 from kda_aot.ops.norm import L2NORM_EPS, l2norm, l2norm_backward, l2norm_forward
 
 DEV = "cuda" if HAS_GPU else "cpu"
@@ -19,10 +20,6 @@ def reference(x, dy):
     y = x64 * torch.rsqrt((x64 * x64).sum(-1, keepdim=True) + L2NORM_EPS)
     y.backward(dy.double())
     return y.detach(), x64.grad
-
-
-def rel_rms(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 @gpu

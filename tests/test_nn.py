@@ -4,8 +4,6 @@ Fresh inputs every run; the seed is printed (replay with KDA_TEST_SEED=<seed>).
 """
 from __future__ import annotations
 
-import os
-import zlib
 
 import pytest
 import torch
@@ -13,18 +11,14 @@ import torch
 from kda_aot import reference
 from kda_aot.nn import PackedKDA
 
-try:
-    from conftest import SEED, gpu
-except ImportError:
-    SEED = int(os.environ.get("KDA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from conftest import SEED, generator, gpu
 print(f"[test_nn] KDA_TEST_SEED={SEED}")
 
 F64 = torch.float64
 
 
 def gen_for(tag):
-    return torch.Generator().manual_seed((SEED + zlib.crc32(tag.encode())) % (2 ** 63))
+    return generator(tag)
 
 
 def inputs(tag, lens, H, Dh, dtype=torch.float32):

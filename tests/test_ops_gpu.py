@@ -314,7 +314,7 @@ def test_compiled_fla_layer_call_is_bitwise_eager(backward):
     dt_bias reaching g < -30, beta logits, the norm in the call, a device cu_seqlens), `o.sum()` as the loss,
     under torch.compile(fullgraph=True): finite and bitwise the eager call. Dynamo's builtins differ between
     torch versions (torch 2.11 cannot trace bool() of a tuple), so the kernels' own call path is traced here."""
-    gen = rng(SEED + 41)
+    gen = rng("compiled-fla-layer-call")
     H, D, lens = 2, 128, [1, 63, 64, 65, 700]
     T = sum(lens)
     cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
@@ -348,7 +348,7 @@ def test_deterministic_mode_is_bitwise_the_default(backward):
     (torch.utils.deterministic.fill_uninitialized_memory): a call that read memory no kernel wrote, or ran a torch
     op that mode refuses, would show it here. FLA's layer call with an initial state, the final state and both in the
     loss gives finite outputs and gradients, bitwise those of the default mode."""
-    gen = rng(SEED + 43)
+    gen = rng("deterministic-mode")
     H, D, lens = 2, 128, [1, 0, 63, 64, 65, 700]
     T = sum(lens)
     cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
@@ -417,7 +417,7 @@ def test_module_on_a_pack_of_empty_documents():
 def test_module_in_deterministic_mode_is_bitwise_the_default():
     """PackedKDA (its convs' workspaces, the norm, KDA with states) under torch.use_deterministic_algorithms(True),
     which fills every uninitialised allocation with NaN: finite and bitwise the default mode's step."""
-    gen = rng(SEED + 47)
+    gen = rng("module-deterministic-mode")
     H, lens = 2, [300, 0, 129, 64]
     T = sum(lens)
     torch.manual_seed(seed_of("module-empty-docs"))
