@@ -157,7 +157,7 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
     Record(program="kda_fwd_chunk", form="lean_prof", params={"threads": 256, "profile": True, "replay": False},
            select="bench/chunk_profile.py only: `lean` writing clock64 cycles per phase into gamma",
            grid="as lean", shipped=False),
-    # Walk forms (issue 5): with few chains, quarter (at most SM/4) and split (at most SM/2) walk a chain
+    # Walk forms: with few chains, quarter (at most SM/4) and split (at most SM/2) walk a chain
     # faster than full; with two split CTAs per SM split is slower. All three ship and the fit rule
     # (kda_aot/schedule/fit.py and its per-GPU table, measured by bench/measure_rho.py) picks per launch:
     # docs/fit_rule.md.

@@ -7,8 +7,8 @@ Every layout, both backward modes, packs with a document spanning both ranks (cu
 chunk), documents shorter than a chunk and one longer than a rank's share. CP outputs and
 gradients are compared with the fp64 reference on the same (bf16-valued) inputs: relative RMS
 error < 1e-2, the kernels' bf16 budget (test_kda_fwd_gpu); the fp32 summaries add rounding far
-below it (test_cp_gloo: < 1e-4). Saved and replay are bitwise equal on every rank. Issue 21's
-strong gates (constant -12 and -30, uniform in [-60, 0], resets g = -inf) under every layout, with beta
+below it (test_cp_gloo: < 1e-4). Saved and replay are bitwise equal on every rank. Strong
+gates (constant -12 and -30, uniform in [-60, 0], resets g = -inf) under every layout, with beta
 in [0, 2) and initial states: finite, and within the single-GPU bounds of tests/test_kda_numerics_gpu.py.
 Skipped without a GPU.
 """
@@ -193,7 +193,7 @@ def test_cuda_module_matches_fp64_single_device(layout):
 
 @pytest.mark.parametrize("gate,layout,pack", [(g, lay, p) for g in STRONG_GATES for lay in cp.LAYOUTS for p in STRONG_PACKS])
 def test_strong_gates_match_reference(gate, layout, pack):
-    """Issue 21's strong decays and resets through the kernels' CP path (fragment summaries, the
+    """Strong decays and resets through the kernels' CP path (fragment summaries, the
     exchange, the entering states, both backward modes): every output finite, saved = replay bitwise,
     each within the single-GPU bound of the fp64 reference; dg zero where g is below the floor."""
     res = results(f"strong-{gate}/{layout}/{pack}")

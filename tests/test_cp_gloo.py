@@ -65,7 +65,7 @@ ERROR_WORLDS = (2, 3)
 
 # ----------------------------------------------------------------------------- strong gates, FLA's activations
 
-# Issue 21's strong decays (bench.numerics.gate): constant -30, uniform in [-60, 0], and g in [-5, 0] with a
+# Strong decays (bench.numerics.gate): constant -30, uniform in [-60, 0], and g in [-5, 0] with a
 # quarter of the channels reset (g = -inf) at 5 % of the tokens.
 STRONG_GATES = ("const-30", "unif-60", "ninf")
 STRONG_PACKS = {2: "mixed", 3: "random"}   # every layout, both modes, each strong gate

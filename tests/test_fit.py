@@ -214,8 +214,8 @@ def test_pipelined_walk_sms(monkeypatch):
     short = tuple([20] * 400)
     assert [fit.pipelined_walk_sms("kda_fwd_walk", short, 32, 132, i) for i in range(4)] == [132] * 4
     assert fit.pipelined_walk_sms("kda_fwd_walk", short, 1, 132, 0) == 100  # 100 chains of one head
-    # Q1 at 32 heads: every walk restricted (20.30 ms forward; all on every SM: 23.44), the last one too
-    # since it runs in pieces beside the others (every SM 13.98 ms, one per chain 13.64)
+    # Q1 at 32 heads: every walk restricted, the last one too since it runs in pieces beside the others (both
+    # measured faster: docs/fit_rule.md)
     q1 = (1585, 641, 1216, 465)
     assert grouping.last_group_pieces(q1) == [3442, 3558, 3674, 3790, 3907]
     assert [fit.pipelined_walk_sms("kda_fwd_walk", q1, 32, 132, i) for i in range(4)] == [32, 32, 32, 32]
@@ -225,14 +225,14 @@ def test_pipelined_walk_sms(monkeypatch):
             for i in range(3)] == [32, 32, 66, 32, 32, 32]
     # the replay (two walks at once, each on half the SMs): Q2's last document (1,193 chunks) starts its
     # walks while the first one's (2,344) still hold 32 SMs each: the other 34, so full (split beside
-    # them: 70.60 against 67.10 ms); Q1's earlier walks are predicted done by then: every SM of the half
+    # them was slower: docs/fit_rule.md); Q1's earlier walks are predicted done by then: every SM of the half
     q2 = (2344, 1193)
     for p in ("kda_fwd_walk", "kda_bwd_walk"):
         assert fit.pipelined_walk_sms(p, q2, 32, 66, 1, 2) == 34
         assert fit.plan_walk(p, q2[1:], 32, 34, "auto") == (("full", 0, 1),)
         assert fit.pipelined_walk_sms(p, q1, 32, 66, 3, 2) == 66
     # Q6 (200,000 + 49,856 tokens): the long document's walk, with 20 % of the chunk stage after it,
-    # gets every SM (quarter CTAs, 4 x 32 <= 132): 28.25 -> 23.29 ms forward
+    # gets every SM (quarter CTAs, 4 x 32 <= 132; measured faster: docs/fit_rule.md)
     q6 = (3125, 779)
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0) == 132
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 1) == 132  # in pieces, beside that walk
@@ -242,7 +242,7 @@ def test_pipelined_walk_sms(monkeypatch):
     assert fit.pipelined_walk_sms("kda_fwd_walk", (1769,), 32, 132, 0, 1, (0,)) == 132
     # CP: a pieced chain that is not the rank's last group starts its walk after its first piece, with the rest
     # of the chunk stage (its own later pieces included) beside it: one SM per chain (CP1 Q6, 8 pieces of 390
-    # chunks: every SM measured B1 24.44 ms against forced full 20.78), in the replay (two walks) too
+    # chunks: every SM measured slower, docs/fit_rule.md), in the replay (two walks) too
     assert grouping.first_piece_chunks(3125) == 390
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 132, 0, 1, (), 0) == 32
     assert fit.pipelined_walk_sms("kda_fwd_walk", q6, 32, 66, 0, 2, (), 0) == 32

@@ -57,7 +57,7 @@ def make(lens, H, gate, gen, init):
 
 
 PACKS = {"edges": [1, 63, 64, 65, 130, 2], "long": [1000, 1, 1537], "one": [64]}
-# Packs by chain count (issue 5: walk forms bitwise equal on 1, 2, 6 and 500 chains per head)
+# Packs by chain count (the walk forms bitwise equal on 1, 2, 6 and 500 chains per head)
 CHAIN_PACKS = {1: [700], 2: [300, 129], 6: [1, 63, 64, 65, 130, 2],
                500: [1 + (37 * i) % 80 for i in range(500)]}
 

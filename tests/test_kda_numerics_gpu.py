@@ -1,4 +1,4 @@
-"""KDA on the GPU for every gate value (issue 21): strong decay, g = -inf (resets), g = 0, beta in [0, 2),
+"""KDA on the GPU for every gate value: strong decay, g = -inf (resets), g = 0, beta in [0, 2),
 with and without an initial state. Every output and gradient is finite and within its bound of the
 fp64 reference; saved and replay mode bitwise equal; two runs bitwise equal.
 

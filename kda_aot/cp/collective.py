@@ -34,7 +34,7 @@ from .plan import CPPlan
 from .summaries import backward_payload_size, compose_entering_states, compose_exit_grads, exit_state, forward_payload_size
 
 
-# Phase timing for the CP benchmark (issue 4: time in communication vs in the summary walks):
+# Phase timing for the CP benchmark (time in communication vs in the summary walks):
 # with Options.debug_timing every call appends (phase, start event, end event) on its device's
 # current stream (host clocks on the CPU); phase_times() syncs and returns {phase: [ms, ...]}.
 _PHASES: list = []

@@ -1,4 +1,4 @@
-"""The fit rule: which form of a state walk to launch (DESIGN.md §3, issue 5).
+"""The fit rule: which form of a state walk to launch (docs/fit_rule.md).
 
 A walk launch is a set of chains (one per (segment, head)), each `n` chunks long. `full` runs one
 CTA per chain and one CTA per SM; `split` runs two CTAs per chain (64 value columns each) and two
