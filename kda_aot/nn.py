@@ -26,7 +26,8 @@ from .cp.halo import CudaConv, ReferenceConv, _conv_cp
 from .cp.ops import chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
 from .ops.chunk_kda import BACKWARD_MODES, chunk_kda
-from .ops.norm import HEAD_DIM, l2norm_torch
+from .ops.norm import HEAD_DIM
+from .reference.activations import l2norm
 
 __all__ = ["PackedKDA"]
 
@@ -202,7 +203,7 @@ class PackedKDA(nn.Module):
             out = _conv_cp([q, k, v], weights, biases, plan, group, convs, op, kda)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
         if self.qk_l2norm and not fused:  # else normalised in the conv's pass, saving the norm's own (docs/conv.md)
-            qc, kc = l2norm_torch(qc), l2norm_torch(kc)
+            qc, kc = l2norm(qc), l2norm(kc)
         return qc, kc, vc
 
     def forward(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None, plan: Optional[CPPlan] = None,

@@ -165,8 +165,8 @@ def reference_op(monkeypatch):
     around the op runs on the CPU; records the modes it was called in."""
     from kda_aot import reference
     from kda_aot.ops import chunk_kda as op
-    from kda_aot.ops.gate import beta_sigmoid
-    from kda_aot.ops.norm import l2norm_torch
+    from kda_aot.reference import beta_sigmoid
+    from kda_aot.reference import l2norm
     from kda_aot.schedule import kda
     calls = []
 
@@ -183,5 +183,5 @@ def reference_op(monkeypatch):
         return run
     monkeypatch.setattr(op, "chunk_kda_fwd_op", fake(False))
     monkeypatch.setattr(op, "chunk_kda_fwd_saved_op", fake(True))
-    monkeypatch.setattr(op, "_qk_l2norm", lambda q, k: (l2norm_torch(q), l2norm_torch(k)))  # the kernel's formula
+    monkeypatch.setattr(op, "_qk_l2norm", lambda q, k: (l2norm(q), l2norm(k)))  # the kernel's formula
     return calls

@@ -15,7 +15,6 @@ from conftest import SEED, gpu
 from kda_aot import causal_conv1d_silu, reference
 from kda_aot._runtime import registry
 from kda_aot.ops.conv import conv1d_silu_backward, conv1d_silu_forward
-from kda_aot.ops.norm import L2NORM_EPS
 from test_kda_fwd_gpu import require_form, rng
 
 pytestmark = gpu
@@ -132,11 +131,11 @@ def test_variant_forms_are_bitwise_equal(fwd_form, bwd_form, halo):
 
 
 def reference_norm_grads(x, w, b, cu, h, dy):
-    """fp64 conv, then the per-head L2 norm (kda_aot.ops.norm's formula, eps 1e-6), and their gradients."""
+    """fp64 conv, then the per-head L2 norm (reference.l2norm), and their gradients."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b, h)]
     y = reference.conv1d_silu(leaves[0], leaves[1], leaves[2], cu_seqlens=cu.cpu(), halo=leaves[3])
     heads = y.view(*y.shape[:-1], -1, 128)
-    yn = (heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + L2NORM_EPS)).view_as(y)
+    yn = reference.l2norm(heads).view_as(y)
     yn.backward(dy.double())
     return (yn.detach(),) + tuple(None if t is None else t.grad for t in leaves)
 

@@ -155,9 +155,9 @@ def test_l2norm_form_needs_whole_heads():
 
 
 def test_l2norm_form_eps_is_the_norms():
-    """The l2norm records bake in kda_aot.ops.norm.L2NORM_EPS (the same norm as the separate l2norm kernel)."""
+    """The l2norm records bake in kda_aot.reference.L2NORM_EPS (the same norm as the separate l2norm kernel)."""
     from codegen.catalog import RECORDS
-    from kda_aot.ops.norm import L2NORM_EPS
+    from kda_aot.reference import L2NORM_EPS
     forms = [r for r in RECORDS if r.program.startswith("conv1d_silu") and r.params["l2norm"]]
     assert {r.program for r in forms} == {"conv1d_silu_fwd", "conv1d_silu_bwd"}
     for r in forms:

@@ -112,11 +112,11 @@ TORCH_GATE = 1e-3  # the kernels' activation against torch's: see assert_as_the_
 
 def assert_as_the_torch_activation(x, o, s, grads, lower_bound):
     """The call on the raw gate (o, s, grads of x's leaves) gives what the same call on the gate activated in
-    torch before the op gives (kda_aot.ops.gate.kda_gate; autograd forms dA_log and ddt_bias from the
+    torch before the op gives (kda_aot.reference.kda_gate; autograd forms dA_log and ddt_bias from the
     kernels' dg), to TORCH_GATE relative RMS: the kernels' hardware ex2 / lg2 activation is an ulp or so off
     torch's libm one (~1e-7 absolute for sigmoid, an ulp of softplus), which moves a few bf16 roundings
     downstream; a dA_log or ddt_bias wrong in its formula or its sum is off by O(1)."""
-    from kda_aot.ops.gate import kda_gate
+    from kda_aot.reference import kda_gate
     leaves = {n: x[n].clone().requires_grad_() for n in grads}
     g_act = kda_gate(leaves["g"], leaves.get("A_log"), leaves["dt_bias"], lower_bound)
     to, ts = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], g_act, leaves["b"], None, leaves["h0"],
@@ -166,7 +166,7 @@ def test_gate_in_the_kernels_against_the_torch_activation(strong):
     """The softplus kind, the raw gate activated inside kda_fwd_chunk / kda_bwd_gate, against torch's
     activation (assert_as_the_torch_activation) and the fp64 bounds. strong: A_log such that the gate
     reaches ~-30 (the floor, the first tokens' decay)."""
-    from kda_aot.ops.gate import kda_gate
+    from kda_aot.reference import kda_gate
     x = cuda_inputs(4, 4, ("gate-in-kernel", strong))
     if strong:
         x["A_log"] = x["A_log"] + 3.0

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kda_aot
-from kda_aot.ops.gate import kda_gate
+from kda_aot.reference import kda_gate
 
 from conftest import REQUIRE_FLA, ROOT
 from reftools import fla_gate, rel_rms
@@ -98,7 +98,7 @@ def test_the_signature_and_defaults_are_flas():
 @pytest.mark.parametrize("kind", ["softplus", "lower_bound", "lower_bound_no_a_log"])
 def test_the_gate_is_flas(gen, kind):
     """FLA's torch gates against the formula the other tests take as FLA's (reftools.fla_gate) and against
-    kda_aot's own (kda_aot.ops.gate.kda_gate), in fp32 as FLA computes them, over raw values that take the log
+    kda_aot's own (kda_aot.reference.kda_gate), in fp32 as FLA computes them, over raw values that take the log
     decay to -30 and beyond. Each side is the same few fp32 operations: agreement to fp32 rounding."""
     HV = 4
     g = torch.randn(3, 50, HV, D, generator=gen) * 12

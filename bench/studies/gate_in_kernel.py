@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 import kda_aot  # noqa: E402
-from kda_aot.ops.gate import kda_gate  # noqa: E402
+from kda_aot.reference import kda_gate  # noqa: E402
 from test_fla_signature import expected  # noqa: E402
 from test_fla_signature_gpu import cuda_inputs, on_cpu_f64, rel_rms  # noqa: E402
 

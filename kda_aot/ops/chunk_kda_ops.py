@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..schedule import backward as kda_backward, kda
 from ..schedule.kda import HEAD_DIM
-from .gate import kda_gate
+from ..reference.activations import kda_gate
 from .._runtime.packing import CHUNK, PLANNED_FROM_HOST
 from .._runtime.tensor import require_cuda
 

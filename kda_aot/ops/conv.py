@@ -172,7 +172,7 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     graph capture needs) or x's device, or a list of ints, halo: [N, 3, D] bf16 or None (the 3
     tokens before each segment; zeros where a segment starts its document). Returns y [1, T, D] bf16.
     l2norm: y normalised per head of 128 channels in the same pass, y / sqrt(sum_head y^2 + 1e-6)
-    (kda_aot.ops.norm.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
+    (kda_aot.reference.L2NORM_EPS; the sum in fp32 before y is rounded) - PackedKDA's q and k.
     """
     cu_seqlens = boundaries_tensor(cu_seqlens)
     _check(x, weight, bias, halo, cu_seqlens)

@@ -1,10 +1,6 @@
 """The gate and beta activations of flash-linear-attention's chunk_kda (use_gate_in_kernel,
-use_beta_sigmoid_in_kernel), in fp32, differentiable.
-
-    kda_gate:  g = -exp(A_log) * softplus(g_raw + dt_bias)                    (lower_bound None)
-               g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))      (lower_bound set;
-                   without A_log: lower_bound * sigmoid(g_raw + dt_bias))
-    beta:      beta = scale * sigmoid(b)   (scale 2 with allow_neg_eigval: beta in [0, 2))
+use_beta_sigmoid_in_kernel): their checks, and where each runs. The formulas are kda_aot.reference.activations'
+(kda_gate, beta_sigmoid).
 
 On the GPU the gate's activation runs inside the kernels (kernel_gate: kda_fwd_chunk forms it before its
 cumulative sum, kda_bwd_gate again for dg, dA_log and dt_bias); elsewhere, and under context parallelism, it
@@ -17,9 +13,9 @@ import numbers
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ..reference.activations import beta_sigmoid, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -65,21 +61,6 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
         raise ValueError("lower_bound: required with safe_gate=True and use_gate_in_kernel=True")
 
 
-def kda_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-             lower_bound: Optional[float]) -> Tensor:
-    """The activated log decay [.., HV, K] in fp32 (fp64 for an fp64 g) from the raw gate g [.., HV, K]."""
-    HV, K = g.shape[-2], g.shape[-1]
-    work = torch.float64 if g.dtype == torch.float64 else torch.float32
-    x = g.to(work)
-    if dt_bias is not None:
-        x = x + dt_bias.to(work).reshape(HV, K)
-    if lower_bound is None:
-        return -A_log.to(work).reshape(HV, 1).exp() * F.softplus(x)
-    if A_log is not None:
-        x = A_log.to(work).reshape(HV, 1).exp() * x
-    return float(lower_bound) * torch.sigmoid(x)
-
-
 def kernel_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float],
                 safe_gate: bool) -> tuple:
     """use_gate_in_kernel on the GPU, checked: the raw gate as the kernels read it (bf16 as it is, as FLA's
@@ -102,17 +83,6 @@ def kernel_beta(b: Tensor, allow_neg_eigval: bool) -> tuple:
     if not b.is_floating_point():
         raise TypeError(f"beta: the raw beta must be floating point with use_beta_sigmoid_in_kernel, got {b.dtype}")
     return (b if b.dtype == torch.bfloat16 else b.float()), (BETA_SIGMOID_2 if allow_neg_eigval else BETA_SIGMOID)
-
-
-def beta_sigmoid(b: Tensor, allow_neg_eigval: bool, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """beta = sigmoid(b), or 2 sigmoid(b) with allow_neg_eigval, computed in fp32 (fp64 for fp64 b) and
-    returned in `dtype` (the kernels' beta operand is bf16)."""
-    if not b.is_floating_point():
-        raise TypeError(f"beta: the raw beta must be floating point with use_beta_sigmoid_in_kernel, got {b.dtype}")
-    beta = torch.sigmoid(b.double() if b.dtype == torch.float64 else b.float())
-    if allow_neg_eigval:
-        beta = 2.0 * beta
-    return beta.to(dtype)
 
 
 def check_activation_shapes(q, v, g, beta) -> None:

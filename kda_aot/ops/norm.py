@@ -1,7 +1,7 @@
 """Per-head L2 norm of q and k (PackedKDA's qk_l2norm) on the GPU: kernel calls and the autograd op.
 
 y = x / sqrt(sum x^2 + eps) over each 128-wide head row, in fp32 from bf16, rounded to bf16 —
-flash-linear-attention's l2norm (eps 1e-6). The forward keeps 1 / sqrt(sum x^2 + eps) per row
+flash-linear-attention's l2norm (eps 1e-6; kda_aot.reference.activations.l2norm, the formula). The forward keeps 1 / sqrt(sum x^2 + eps) per row
 (4 bytes a row) for the backward: dx = rstd (dy - y sum(dy y)).
 """
 from __future__ import annotations
@@ -11,15 +11,8 @@ import torch
 from .._runtime import registry
 from .._runtime.packing import HEAD_DIM
 from .._runtime.tensor import describe, out_or, require_cuda, stream_of
+from ..reference.activations import L2NORM_EPS
 
-L2NORM_EPS = 1e-6
-
-
-def l2norm_torch(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """The same norm in differentiable PyTorch (any head dim, CPU or GPU): fp32 arithmetic at least
-    (a bf16 sum of 128 squares would lose the norm's low bits), the result in x's dtype."""
-    xf = x if x.dtype == torch.float64 else x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):

@@ -22,8 +22,10 @@ Public functions
     kda_bwd_state_walk, chunk_bwd, kda_bwd_dvp_local   its stages, as the kernels split them
     conv1d_silu        width-4 causal depthwise conv + SiLU over packed documents, with halo
     conv1d_silu_bwd    its backward written out (no autograd)
+    l2norm, kda_gate, beta_sigmoid   q and k's norm, the gate's and beta's activations (activations.py)
 """
 
+from .activations import L2NORM_EPS, beta_sigmoid, kda_gate, l2norm
 from .chunked import chunk_bwd, kda_bwd_dvp_local, kda_bwd_state_walk, kda_chunked_bwd, kda_chunked_fwd_saved
 from .conv import CONV_WIDTH, conv1d_silu, conv1d_silu_bwd
 from .kda import G_FLOOR, chunk_prepare, fragment_summary, kda_chunked, kda_recurrent
@@ -42,4 +44,8 @@ __all__ = [
     "conv1d_silu_bwd",
     "CONV_WIDTH",
     "G_FLOOR",
+    "l2norm",
+    "kda_gate",
+    "beta_sigmoid",
+    "L2NORM_EPS",
 ]
