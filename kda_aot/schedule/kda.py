@@ -45,7 +45,7 @@ class GateActivation:
     """The gate's activation inside kda_fwd_chunk and kda_bwd_gate (templates/common/kda.h KdaGate): with it
     g is the raw gate x, and the log decay is -exp(A_log) softplus(x + dt_bias) (GATE_SOFTPLUS) or
     lower_bound sigmoid(exp(A_log) (x + dt_bias)) (GATE_SIGMOID); the backward's dg is then x's gradient,
-    and it gives A_log's and dt_bias's (kda_aot.ops.gate.kda_gate is the same formula in torch)."""
+    and it gives A_log's and dt_bias's (kda_aot.reference.kda_gate is the same formula in torch)."""
     kind: int
     a_log: Optional[torch.Tensor]    # [H] fp32, contiguous (None: exp(A_log) = 1, GATE_SIGMOID only)
     dt_bias: Optional[torch.Tensor]  # [H, 128] fp32, contiguous, or None
