@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .kda import (CuSeqlens, _bounds, _check_kda_inputs, _chunk_akk, _decay_matrix, _to_head_first, chunk_prepare,
+from .kda import (CuSeqlens, _check_kda_inputs, _chunk_akk, _decay_matrix, _prepared, _to_head_first, chunk_prepare,
                   per_value_head, sum_value_head_groups)
 
 # ============================================================================ KDA explicit backward
@@ -161,15 +161,10 @@ def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
     Columns of Aqk/Akk/Akk_inv past the chunk's length are 0. q, k may have fewer heads (grouped value
     heads: H above is v's; Qg, Kg, W are per value head).
     """
-    T, H, K = q.shape[1], v.shape[2], q.shape[3]
-    cu = _bounds(cu_seqlens, T)
-    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
-    q, k = per_value_head(q, H), per_value_head(k, H)
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
+    T, H, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype,
+                                                  detach=True)
     with torch.no_grad():
-        q, k, v, g, beta = (x.detach().to(dtype) for x in (q, k, v, g, beta))
-        h0 = None if initial_state is None else initial_state.detach().to(dtype)
         table = _chunk_table(cu, chunk_size)
         n = len(table)
         zk = dict(dtype=dtype, device=q.device)

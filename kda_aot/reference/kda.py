@@ -142,6 +142,18 @@ def _tokens(outs: list, join, H: int, V: int, dtype, device) -> torch.Tensor:
     return join(outs, dim=0)[None]
 
 
+def _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype, detach=False) -> tuple:
+    """What every entry point of the reference starts with: the checked document bounds, (q, k per value head, v,
+    g, beta, the initial state or None) in `dtype` (detached with `detach`), and the scale (K^-0.5 by default)."""
+    cu = _bounds(cu_seqlens, q.shape[1])
+    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
+    HV, K = v.shape[2], q.shape[3]
+    q, k = per_value_head(q, HV), per_value_head(k, HV)
+    cast = (lambda x: x.detach().to(dtype)) if detach else (lambda x: x.to(dtype))
+    tensors = tuple(cast(x) for x in (q, k, v, g, beta)) + (None if initial_state is None else cast(initial_state),)
+    return cu, tensors, K ** -0.5 if scale is None else scale
+
+
 def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
                   initial_state: Optional[torch.Tensor] = None,
                   output_final_state: bool = False,
@@ -150,14 +162,8 @@ def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[fl
     """Token-by-token KDA recurrence. Returns (o [1, T, HV, V], final_state [N, HV, K, V] or None),
     both in `dtype` (q, k [1, T, H, K]; HV a multiple of H). Vectorised over heads, loops over documents and
     tokens."""
-    T, H, K = q.shape[1], v.shape[2], q.shape[3]
-    cu = _bounds(cu_seqlens, T)
-    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
-    q, k = per_value_head(q, H), per_value_head(k, H)
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    h0 = None if initial_state is None else initial_state.to(dtype)
+    cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype)
+    H, K, V = v.shape[2], q.shape[3], v.shape[3]
 
     outs, finals = [], []
     for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
@@ -181,14 +187,8 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked KDA exactly as DESIGN.md §2. Chunks restart at every document start; a
     document's last chunk may be short. Same arguments and results as kda_recurrent."""
-    T, H, K = q.shape[1], v.shape[2], q.shape[3]
-    cu = _bounds(cu_seqlens, T)
-    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
-    q, k = per_value_head(q, H), per_value_head(k, H)
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    h0 = None if initial_state is None else initial_state.to(dtype)
+    cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype)
+    H, K, V = v.shape[2], q.shape[3], v.shape[3]
 
     outs, finals = [], []
     for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
