@@ -210,17 +210,12 @@ def _bwd_chunk_rewalk(saved: dict, dout, dfinal_state, dtape, dh0, rewalk: list)
         launch_bwd_chunk(t)
     else:
         first = (0, *itertools.accumulate(lengths))
-        main = torch.cuda.current_stream(v.device)
-        side = kda._side_streams(v.device, 1, "rewalk")[0]
-        side.wait_stream(main)
-        try:
+        with kda.forked(v.device, 1, "rewalk") as (side,):
             with torch.cuda.stream(side):
                 walk_again(sms)
             for inside, a, b in grouping.runs_of([s not in rewalk for s in range(len(lengths))]):
                 if inside:
                     launch_bwd_chunk(t, first[a], first[b])
-        finally:
-            main.wait_stream(side)
         for a, b in runs:
             launch_bwd_chunk(t, first[a], first[b])
     return {name: t[name] for name in _BWD_CHUNK_OUTPUTS}
@@ -335,17 +330,12 @@ def replay_walks(prepared: dict, initial_state, dout, dfinal_state, need_dtape=T
         walk = None if dout is None else list(chunk_kda_bwd_walk(prepared, dout, dfinal_state,
                                                                  need_dtape=need_dtape))
         return saved, walk
-    main = torch.cuda.current_stream(v.device)
-    side = kda._side_streams(v.device, 1, "replay")[0]
     half = replay_walk_sms(kda.device_sms(v.device))
-    side.wait_stream(main)
-    try:
+    with kda.forked(v.device, 1, "replay") as (side,):
         with torch.cuda.stream(side):
             _, _, saved = kda.chunk_kda_walk(prepared, initial_state=initial_state, save_tape=True, out=out,
-                                         want_output=False, sm_count=half)
+                                             want_output=False, sm_count=half)
         walk = list(chunk_kda_bwd_walk(prepared, dout, dfinal_state, need_dtape=need_dtape, sm_count=half))
-    finally:
-        main.wait_stream(side)
     return saved, walk
 
 

@@ -11,6 +11,7 @@ products) and kda_bwd_gate (gated products). The public op over both is kda_aot.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -174,6 +175,22 @@ def _side_streams(device: torch.device, n: int, pool: str) -> list:
     return have[:n]
 
 
+@contextlib.contextmanager
+def forked(device: torch.device, n: int, pool: str):
+    """n side streams (_side_streams) that start after the work queued so far on the current stream, and that the
+    current stream waits for on exit - also when a launch raises, since queued work may still read the caller's
+    tensors. The one fork and join of the launches planned outside a PipelinePlan (execute.run joins its own)."""
+    main = torch.cuda.current_stream(device)
+    streams = _side_streams(device, n, pool)
+    for st in streams:
+        st.wait_stream(main)
+    try:
+        yield streams
+    finally:
+        for st in streams:
+            main.wait_stream(st)
+
+
 # Descriptor entries with one row per segment: a launch over segments [a, b) gets rows [a, b).
 _PER_SEGMENT = ("initial_state", "final_state", "dfinal_state", "dinitial_state", "u_lo_end")
 # Chunk-indexed tensors of the chunk-parallel programs: a launch over chunks [first, end) gets them
@@ -203,19 +220,12 @@ def _launch_walk(program: str, t: dict, chain_lengths, H: int, scale: float, dev
         desc = {name: describe(x, name) for name, x in tensors.items()}
         registry.library(program, plan[0][0], device).launch(desc, scale, stream_of(tensors["seg_chunks"]))
         return plan
-    main = torch.cuda.current_stream(device)
-    streams = _side_streams(device, len(plan), pool or program)
-    for st in streams:
-        st.wait_stream(main)
-    try:
+    with forked(device, len(plan), pool or program) as streams:
         for (form, a, b), st in zip(sorted(plan, key=lambda run: run[0] != "split"), streams):
             part = dict(tensors, seg_chunks=tensors["seg_chunks"][a:b + 1])
             part.update({name: tensors[name][a:b] for name in _PER_SEGMENT if name in tensors})
             desc = {name: describe(x, name) for name, x in part.items()}
             registry.library(program, form, device).launch(desc, scale, st.cuda_stream)
-    finally:  # joined even when a launch raises: queued runs may still read the caller's tensors
-        for st in streams:
-            main.wait_stream(st)
     return plan
 
 
