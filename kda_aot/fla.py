@@ -85,6 +85,10 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
         return False, "initial_state not fp32"
     if use_gate_in_kernel and lower_bound is not None and not is_real(lower_bound):
         return False, f"lower_bound of type {type(lower_bound).__name__} (kda_aot: a real number)"
+    for name in ("A_log", "dt_bias"):
+        t = kwargs.get(name)
+        if use_gate_in_kernel and t is not None and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return False, f"{name} not a floating-point tensor"
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             return False, f"{q.shape[0]} sequences with cu_seqlens (packed input is [1, T, ...])"

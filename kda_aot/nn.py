@@ -219,6 +219,8 @@ class PackedKDA(nn.Module):
         self._check_call(q, k, v, cu_seqlens, plan, group)
         _check_floating("g", g)
         _check_floating("beta", beta)
+        if initial_state is not None:
+            _check_floating("initial_state", initial_state)
         cu_seqlens = boundaries_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)

@@ -165,8 +165,7 @@ def reference_op(monkeypatch):
     around the op runs on the CPU; records the modes it was called in."""
     from kda_aot import reference
     from kda_aot.ops import chunk_kda as op
-    from kda_aot.reference import beta_sigmoid
-    from kda_aot.reference import l2norm
+    from kda_aot.reference import beta_sigmoid, l2norm
     from kda_aot.schedule import kda
     calls = []
 

@@ -130,6 +130,8 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
             (base[:3] + [base[3].long()] + base[4:], {"use_gate_in_kernel": True}, "g in torch.int64"),
             (base, {"use_gate_in_kernel": True, "lower_bound": torch.tensor(-1.0)}, "lower_bound of type Tensor"),
             (base, {"use_gate_in_kernel": True, "lower_bound": True}, "lower_bound of type bool"),
+            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2, dtype=torch.int64)}, "A_log not a floating"),
+            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2), "dt_bias": [0.0] * 256}, "dt_bias not a floating"),
             # a pack padded past cu_seqlens[-1] (FLA runs it; kda_aot.chunk_kda refuses it) and broken boundaries
             (base, {"cu_seqlens": torch.tensor([0, 30, 60])}, "not the boundaries of the whole pack"),
             (base, {"cu_seqlens": torch.tensor([0, 20, 60])}, "not the boundaries of the whole pack"),
@@ -152,6 +154,9 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
     assert not module.verify(*fp32_beta)[0]
     assert module.verify(*fp32_beta, use_beta_sigmoid_in_kernel=True) == (True, None)   # logits: any float
     assert module.verify(*base, A_log=torch.zeros(2), dt_bias=torch.zeros(256), use_gate_in_kernel=True) == (True, None)
+    # fp64 gate parameters, as FLA's gate reads them (as fp32): served (the kernels read them as fp32 too)
+    assert module.verify(*base, A_log=torch.zeros(2, dtype=torch.float64), dt_bias=torch.zeros(256, dtype=torch.float64),
+                         use_gate_in_kernel=True) == (True, None)
 
 
 def test_the_switch_turns_it_off(fake_fla, monkeypatch):

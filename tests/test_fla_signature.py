@@ -126,6 +126,18 @@ def test_sigmoid_gate_without_a_log(reference_op):
     assert "A_log" not in grads and rel_rms(grads["g"], egrads["g"]) < 1e-5 and rel_rms(grads["dt_bias"], egrads["dt_bias"]) < 1e-5
 
 
+def test_fp64_gate_inputs_are_served_as_fp32(reference_op):
+    """An fp64 raw gate, A_log and dt_bias (FLA's gate reads them as fp32): served as the fp32 call is, their
+    gradients in their own dtype, as on the GPU (kernel_gate) - off the GPU too, where the torch activation runs."""
+    x = inputs([70, 1, 130], 2, 4, "fp64-gate")
+    o, s, grads = run_ours(x)
+    x64 = dict(x, **{n: x[n].double() for n in ("g", "A_log", "dt_bias")})
+    o64, s64, grads64 = run_ours(x64)
+    assert rel_rms(o64, o) < 1e-6 and rel_rms(s64, s) < 1e-6
+    for n in ("g", "A_log", "dt_bias"):
+        assert grads64[n].dtype == torch.float64 and rel_rms(grads64[n], grads[n]) < 1e-5, n
+
+
 def test_a_lower_bound_from_numpy_is_a_number(reference_op):
     """A config's numpy scalar (not a float) is taken as its value."""
     np = pytest.importorskip("numpy", reason="numpy's scalars need numpy (the installed run has none)")
@@ -173,7 +185,7 @@ def test_unserved_arguments_raise(reference_op):
              (dict(use_gate_in_kernel=True), ValueError, "A_log: required with use_gate_in_kernel"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"][:1]), ValueError,
               r"A_log: expected 2 elements \(\[HV\] for HV = 2\), got shape \[1\]"),
-             (dict(use_gate_in_kernel=True, A_log=x["A_log"].long()), TypeError, "A_log: expected float32"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"].long()), TypeError, "A_log: expected a floating-point tensor"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"][:5]), ValueError,
               r"dt_bias: expected 256 elements"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True), ValueError,

@@ -78,6 +78,8 @@ def test_bad_input_is_refused_before_any_kernel():
         l2norm(torch.randn(2, 64, device=DEV).to(torch.bfloat16))
     with pytest.raises(ValueError, match="eps"):
         l2norm(x, eps=0.0)
+    with pytest.raises(TypeError, match="eps: expected a number, got str"):
+        l2norm(x, eps="a")
     with pytest.raises(TypeError, match="torch.Tensor"):
         l2norm([1.0] * 128)
     if not HAS_GPU:

@@ -182,6 +182,8 @@ def test_argument_errors():
         m(q.long(), k, v, g, beta, cu_seqlens=cu)
     with pytest.raises(TypeError, match="beta: expected a floating-point tensor, got torch.int64"):
         m(q, k, v, g, beta.long(), cu_seqlens=cu)
+    with pytest.raises(TypeError, match="initial_state: expected a torch.Tensor, got list"):
+        m(q, k, v, g, beta, cu_seqlens=cu, initial_state=[[0.0]])
     with pytest.raises(ValueError, match="g: on meta but q is on cpu"):
         m(q, k, v, g.to("meta"), beta, cu_seqlens=cu)
 

@@ -54,7 +54,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     q, k [B, T, H, 128] bf16; v [B, T, HV, 128] bf16 and g [B, T, HV, 128], beta [B, T, HV] with HV a
     multiple of H (grouped value heads: value head j reads q, k head j // (HV / H)); initial_state
-    [N, HV, 128, 128] fp32 ([N, HV, V, K] with state_v_first, and so the final state). Packed documents:
+    [N, HV, 128, 128] fp32 ([N, HV, V, K] with state_v_first, and so the final state: the transposed view of the
+    kernels' [N, HV, K, V] buffer, not a copy - call .contiguous() before .view(); passed back as the next call's
+    initial state it is read with no copy). Packed documents:
     B = 1 and cu_seqlens [N + 1] int32/int64, non-decreasing (zero-length documents are legal), on the
     CPU or q's device, or a list of ints; a device tensor is read to the host once (a sync) and that copy
     reused while the tensor lives unwritten, or give its CPU copy as cu_seqlens_cpu (the two must hold the same values) and no
@@ -105,6 +107,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=len(gate_args) > 0,
                        beta_logits_in_kernels=beta_kind != kda.BETA_PLAIN)
+    if use_gate_in_kernel and g.dtype == torch.float64:  # activated in torch (off the GPU): fp32, as the kernels
+        g = g.float()
     if state_v_first and initial_state is not None:
         _check_v_first_state(initial_state, v)
         initial_state = initial_state.transpose(-1, -2)

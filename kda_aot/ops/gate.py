@@ -18,7 +18,8 @@ from torch import Tensor
 from ..reference.activations import beta_sigmoid, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# FLA's gate reads A_log and dt_bias as fp32 whatever their float dtype; so do the kernels (kernel_gate).
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def is_real(value) -> bool:
@@ -42,7 +43,7 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _FLOATS:
-            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
+            raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
         if t.numel() != numel:
             spelled = f"[HV] for HV = {HV}" if name == "A_log" else f"[HV * K] for HV = {HV}, K = {K}"
             raise ValueError(f"{name}: expected {numel} elements ({spelled}), got shape {list(t.shape)}")

@@ -6,6 +6,8 @@ flash-linear-attention's l2norm (eps 1e-6; kda_aot.reference.activations.l2norm,
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .._runtime import registry
@@ -79,6 +81,8 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
         raise ValueError(f"x: expected shape [..., {HEAD_DIM}] (one head per row), got {list(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
+    if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool)):
+        raise TypeError(f"eps: expected a number, got {type(eps).__name__}")
     if not float(eps) > 0:
         raise ValueError(f"eps: expected a positive number, got {eps}")
     return l2norm_fwd_op(x.contiguous(), float(eps))[0]
