@@ -41,8 +41,8 @@ class Binding:
 _FWD_ARGS, _BWD_ARGS = "Fwd", "Bwd"
 _GATE_NEEDS = ("q", "k", "g", "beta", "chunks", "seg_chunks", "daqk", "daqk_lo", "dakk", "daqk_diag", "dqg", "dkg",
                "drk", "dbeta_v", "dgam_s", "dq", "dk", "dg")
-# Programs on KdaFwdArgs / KdaBwdArgs (templates/common/kda.h); every other program's folder holds its own
-# binding.cpp.j2.
+# Programs on KdaFwdArgs / KdaBwdArgs (templates/common/kda.h), by program or by "program/form" where a form's
+# tensors differ; every other program's folder holds its own binding.cpp.j2.
 BINDINGS = {
     "kda_fwd_chunk": Binding(_FWD_ARGS, ("q", "k", "v", "g", "beta", "chunks", "seg_chunks", "w", "u", "qg", "kg",
                                          "aqk", "aqk_diag_lo", "gamma"), gate=True, beta=True),
@@ -57,9 +57,9 @@ BINDINGS = {
     "kda_bwd_chunk": Binding(_BWD_ARGS, ("dout", "chunks", "seg_chunks", "w", "kg", "aqk", "gamma", "dtape", "v", "u",
                                          "vnew", "akk_inv", "beta", "tape", "dv", "drk", "dqg", "dkg", "daqk", "daqk_lo",
                                          "dakk", "daqk_diag", "dbeta_v", "dgam_s"), beta=True),
+    "kda_bwd_gate/full": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True, beta=True),
     # two CTAs over 64 channels each write dbeta's halves (the caller adds them)
-    "kda_bwd_gate/128": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta",), gate=True, beta=True),
-    "kda_bwd_gate/64": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True, beta=True),
+    "kda_bwd_gate/split_staged": Binding(_BWD_ARGS, _GATE_NEEDS + ("dbeta_part",), gate=True, beta=True),
 }
 
 
@@ -87,8 +87,8 @@ class Record:
 
     @property
     def binding(self) -> Binding | None:
-        key = f"{self.program}/{self.params['columns']}" if self.program == "kda_bwd_gate" else self.program
-        return BINDINGS.get(f"{self.program}/{self.form}") or BINDINGS.get(key)
+        """BINDINGS' entry for this form ("program/form"), else the program's, else None (its own template)."""
+        return BINDINGS.get(f"{self.program}/{self.form}") or BINDINGS.get(self.program)
 
     @property
     def templates(self) -> dict:
