@@ -1,1 +1,1 @@
-"""The benchmarks (DESIGN.md §5): `python -m bench ...` from the checkout root; not part of the wheel."""
+"""The benchmarks: `python -m bench ...` from the checkout root; not part of the wheel."""

@@ -4,7 +4,7 @@ Latency = median of CUDA-event times over steady iterations; arms are interleave
 iteration runs every arm once, in turn, the order reversed every other iteration) so that clock and
 thermal drift, and whatever an arm leaves behind for the next (caches, allocator state), hit all
 arms alike.
-Rows follow DESIGN.md §5 and go to bench/results/<suite>-<date>-<commit>.jsonl.
+Rows are row()'s (the schema below) and go to bench/results/<suite>-<date>-<commit>.jsonl.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ B1 = PackedKDA forward (conv halo exchange, conv1d + SiLU on q, k, v, KDA state 
 recurrence, communication included); B3 = forward + checkpoint replay + backward, the input
 gradients dropped before each step (accumulated across steps they would add one full-size add per
 input and arm: docs/cp.md). Packs of
-DESIGN.md §5, H = 32, layouts contiguous / zigzag / doc_zigzag. Latency = median over steady
+bench/packs.py, H = 32, layouts contiguous / zigzag / doc_zigzag. Latency = median over steady
 iterations of the slowest rank (each iteration's time is all-reduced with MAX), arms interleaved.
 flash-linear-attention's CP (build_cp_context, contiguous and zigzag) runs side by side for its
 KDA part (chunk_kda with cp_context; its conv is not part of that arm). With one process the

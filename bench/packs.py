@@ -1,4 +1,4 @@
-"""Benchmark packs (DESIGN.md §5; a copy of shared/bench/packs.json, which does not travel to the GPU machine)."""
+"""Benchmark packs (a copy of the design brief's packs.json, which does not travel to the GPU machine)."""
 PACKS = {
     "Q1": [101377, 40961, 77777, 29741],
     "Q2": [150001, 76335],

@@ -1,6 +1,6 @@
 """Single-device KDA benchmark: kda_aot against flash-linear-attention's chunk_kda, same run.
 
-Packs of DESIGN.md §5, H = 32 by default; inputs random (q, k L2-normalised, g in [-5, 0],
+Packs of bench/packs.py, H = 32 by default; inputs random (q, k L2-normalised, g in [-5, 0],
 beta in (0, 1)). Boundaries: `fwd` (forward only, no graph) and `fwdbwd` (forward + backward of
 o against a random dO, through autograd, leaves' grads reset each step) in both backward modes.
 Peak memory = torch's max allocated over one call, inputs included (the same for every arm).

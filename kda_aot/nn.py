@@ -2,7 +2,7 @@
 
     y_x = silu(causal_conv1d_4(x))            for x in q, k, v (depthwise, per document)
     q, k <- q / |q|, k / |k| per head          (qk_l2norm)
-    o    = KDA(q, k, v, g, beta)               (DESIGN.md §2)
+    o    = KDA(q, k, v, g, beta)               (docs/math.md)
 
 Single device: pass cu_seqlens. Context parallel: pass a kda_aot.cp plan (and group) and this
 rank's local shards; the conv reads its halo through kda_aot.cp.conv_halo and KDA runs through

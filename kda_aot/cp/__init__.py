@@ -1,4 +1,4 @@
-"""Context parallelism for KDA on packed documents (DESIGN.md §4).
+"""Context parallelism for KDA on packed documents (docs/cp.md).
 
     plan = kda_aot.cp.make_plan(cu_seqlens, "doc_zigzag", group=dist.group.WORLD)
     q_l, k_l, ... = (plan.shard(x) for x in (q, k, ...))            # global -> local

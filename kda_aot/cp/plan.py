@@ -1,4 +1,4 @@
-"""Context-parallel plan: who holds which tokens, and the fragment table (DESIGN.md §4).
+"""Context-parallel plan: who holds which tokens, and the fragment table (docs/cp.md).
 
 One implementation used by every path (reference, gloo tests, the CUDA backend later). A plan
 is a pure function of (cu_seqlens, world size, layout, chunk size); the rank only selects which

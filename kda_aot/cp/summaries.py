@@ -1,4 +1,4 @@
-"""Affine summaries of fragments and their composition along document chains (DESIGN.md §2, §4).
+"""Affine summaries of fragments and their composition along document chains (docs/math.md, docs/cp.md).
 
 Forward. Per head, a fragment f maps its entering state to its exit state affinely:
     S_out(f) = M_f S_in(f) + B_f          (M_f, B_f = reference.fragment_summary of f's tokens)
@@ -46,7 +46,7 @@ __all__ = ["forward_payload_size", "backward_payload_size", "compose_entering_st
 @contextlib.contextmanager
 def ieee_fp32(device: torch.device):
     """fp32 matrix products in full fp32 on CUDA: products of M lose accuracy fast in TF32
-    (DESIGN.md §2). A no-op on CPU."""
+    (docs/math.md). A no-op on CPU."""
     if torch.device(device).type != "cuda":
         yield
         return

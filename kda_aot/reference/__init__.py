@@ -8,13 +8,13 @@ Layouts follow flash-linear-attention's chunk_kda:
     beta  [1, T, H]        cu_seqlens [N+1] (0 = c0 <= c1 <= ... <= cN = T: empty documents allowed)
     initial_state / final_state  [N, H, K, V]
 
-Per head and document (DESIGN.md §2):
+Per head and document (docs/math.md):
     S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T
     o_t = scale * S_t^T q_t            (scale defaults to K**-0.5)
 
 Public functions
     kda_recurrent      token-by-token recurrence (the ground truth)
-    kda_chunked        the chunked form of DESIGN.md §2 (what the kernels implement)
+    kda_chunked        the chunked form of docs/math.md (what the kernels implement)
     chunk_prepare      the intra-chunk quantities of one chunk (Gamma, W, U, Aqk, ...)
     fragment_summary   affine summary (M, B) of one fragment: S_out = M S_in + B
     kda_chunked_fwd_saved  kda_chunked's forward keeping every per-chunk tensor (state tape, W, ...)

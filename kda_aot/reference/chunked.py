@@ -49,7 +49,7 @@ from .kda import (CuSeqlens, _check_kda_inputs, _chunk_akk, _decay_matrix, _prep
 #     dg_t  = e^gam rowsum(S * dS_end) + sum_{r < t} Kg_r * dKg_r + sum_{r >= t} dGam_r
 #             (Kg dKg through e^(gam - Gam_r) reaches rows after r: a prefix, not total minus suffix)
 #
-# DESIGN.md §2's walk is complete once its "local term from dO" is read as scale Aqk^T dO
+# docs/math.md's walk is complete once its "local term from dO" is read as scale Aqk^T dO
 # (Aqk lower triangular including the diagonal).
 #
 # Anchoring (fp32 safety; the kernels copy this). No exp factor above 1 is ever formed, and

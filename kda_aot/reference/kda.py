@@ -185,7 +185,7 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
                 output_final_state: bool = False, chunk_size: int = 64,
                 dtype: torch.dtype = torch.float64
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Chunked KDA exactly as DESIGN.md §2. Chunks restart at every document start; a
+    """Chunked KDA exactly as docs/math.md. Chunks restart at every document start; a
     document's last chunk may be short. Same arguments and results as kda_recurrent."""
     cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype)
     H, K, V = v.shape[2], q.shape[3], v.shape[3]
@@ -217,7 +217,7 @@ def fragment_summary(k, v, g, beta, chunk_size: int = 64, dtype: torch.dtype = t
 
     Returns M [H, K, K] = A_n ... A_1 and B [H, K, V] = end state walked from zero, so that
     S_out = M S_in + B. Per chunk A_c = Diag(exp gam) - (K*exp(gam-Gam))^T W and
-    B_c = (K*exp(gam-Gam))^T U (DESIGN.md §2).
+    B_c = (K*exp(gam-Gam))^T U (docs/math.md).
     """
     Lf, H, K = g.shape
     V = v.shape[-1]

@@ -1,4 +1,4 @@
-"""Single-device chunked KDA on packed documents (DESIGN.md §2): the kernel calls and their order.
+"""Single-device chunked KDA on packed documents (docs/math.md): the kernel calls and their order.
 
 Shapes: v [1, T, H, 128] bf16, g [1, T, H, 128] fp32 (log decay per channel), beta [1, T, H]
 bf16; q, k [1, T, H / G, 128] bf16 (grouped value heads: value head h reads q, k head h // G inside the
