@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_kda_fwd_gpu import PACKS, make, rel_rms  # noqa: E402
+from reftools import rel_rms  # noqa: E402
+from test_kda_fwd_gpu import PACKS, make  # noqa: E402
 
 from kda_aot import reference  # noqa: E402
 from kda_aot.schedule.kda import chunk_kda_fwd  # noqa: E402

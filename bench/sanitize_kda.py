@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from kda_aot._runtime import registry
 from kda_aot.schedule.kda import chunk_kda_fwd
-from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_chunk, chunk_kda_bwd_walk
+from kda_aot.schedule.backward import chunk_kda_bwd, chunk_kda_bwd_walk
 
 lens, H = [1, 63, 64, 65, 200], 2
 T = sum(lens)
@@ -58,7 +58,6 @@ from kda_aot.ops.norm import l2norm_backward, l2norm_forward
 y, rstd = l2norm_forward(q)
 l2norm_backward(q, rstd, do)
 # the test-only forms, each when built (one missing does not hide the others)
-dtape, _ = chunk_kda_bwd_walk(saved, do, dht)
 runs = {
     "kda_bwd_walk/split": lambda: chunk_kda_bwd_walk(saved, do, dht, walk_form="split"),
     "kda_fwd_walk/quarter": lambda: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0,
@@ -67,8 +66,6 @@ runs = {
 }
 for form in ("full",):
     runs[f"kda_bwd_gate/{form}"] = lambda form=form: chunk_kda_bwd(saved, do, dht, gate_form=form)
-for form in ("default",):
-    runs[f"kda_bwd_chunk/{form}"] = lambda form=form: chunk_kda_bwd_chunk(saved, do, dtape, form=form)
 for name, run in runs.items():
     try:
         run()

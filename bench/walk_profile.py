@@ -23,8 +23,8 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     args = ap.parse_args()
     library = registry.library  # the walks below are planned full: kda_fwd_walk/full -> full_prof
-    registry.library = lambda program, form="default": library(
-        program, "full_prof" if (program, form) == ("kda_fwd_walk", "full") else form)
+    registry.library = lambda program, form="default", device=None: library(
+        program, "full_prof" if (program, form) == ("kda_fwd_walk", "full") else form, device)
     q, k, v, g, beta, cu = inputs([CHUNK * args.chunks] * args.docs, args.heads)
     prepared = chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, save_tape=True)
     h0 = torch.randn(args.docs, args.heads, 128, 128, device="cuda")

@@ -115,7 +115,7 @@ _RECORDS_BY_PROGRAM: tuple[Record, ...] = (
                    "reduce_threads": 256, "l2norm": False},
            select="the conv alone (v; q and k without the norm)", grid=_BWD_GRID),
     # The per-head L2 norm of q and k fused into their conv (PackedKDA, CUDA backend, head dim 128): saves
-    # the norm's own pass over each tensor both ways (docs/conv.md). l2norm_eps = kda_aot.ops.norm.L2NORM_EPS (tested).
+    # the norm's own pass over each tensor both ways (docs/conv.md). l2norm_eps = kda_aot.reference.L2NORM_EPS (tested).
     Record(program=_FWD, form="l2norm",
            params={"threads": 256, "tokens_per_thread": 64, "channels": 4, "unroll": 8, "min_blocks": 2,
                    "l2norm": True, "l2norm_eps": "1e-6f", "norm_batch": 8},

@@ -50,7 +50,8 @@ def our_includes(text: str, seen: dict[str, str], where=None) -> None:
             continue
         data = path.read_bytes()
         seen[key] = sha256_bytes(data)
-        our_includes(data.decode(), seen, path.parent)
+        # a Jinja partial's text lands in the rendered unit: its own includes resolve as the unit's do
+        our_includes(data.decode(), seen, path.parent if quoted else where)
 
 
 def dependencies(record: Record) -> dict[str, str]:

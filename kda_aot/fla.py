@@ -42,7 +42,7 @@ from ._runtime.packing import host_copy
 from ._runtime.tensor import boundaries_tensor, check_cu_seqlens
 from .ops.chunk_kda import chunk_kda
 from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
-from .ops.gate import is_real
+from .ops.gate import GATE_PARAM_DTYPES, is_real
 from .schedule.kda import HEAD_DIM, MAX_HEADS
 
 BACKEND_TYPE = "kda_aot"
@@ -87,8 +87,8 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
         return False, f"lower_bound of type {type(lower_bound).__name__} (kda_aot: a real number)"
     for name in ("A_log", "dt_bias"):
         t = kwargs.get(name)
-        if use_gate_in_kernel and t is not None and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            return False, f"{name} not a floating-point tensor"
+        if use_gate_in_kernel and t is not None and not (isinstance(t, torch.Tensor) and t.dtype in GATE_PARAM_DTYPES):
+            return False, f"{name} not a float32, bfloat16, float16 or float64 tensor"
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             return False, f"{q.shape[0]} sequences with cu_seqlens (packed input is [1, T, ...])"

@@ -27,7 +27,7 @@ from .cp.ops import chunk_kda_cp_agreed, kda_config
 from .cp.plan import CPPlan
 from .ops.chunk_kda import BACKWARD_MODES, chunk_kda
 from .ops.norm import HEAD_DIM
-from .reference.activations import l2norm
+from .reference import activations
 
 __all__ = ["PackedKDA"]
 
@@ -203,7 +203,7 @@ class PackedKDA(nn.Module):
             out = _conv_cp([q, k, v], weights, biases, plan, group, convs, op, kda)
         qc, kc, vc = (y.reshape(1, T, H, Dh) for y in out)
         if self.qk_l2norm and not fused:  # else normalised in the conv's pass, saving the norm's own (docs/conv.md)
-            qc, kc = l2norm(qc), l2norm(kc)
+            qc, kc = activations.l2norm(qc), activations.l2norm(kc)
         return qc, kc, vc
 
     def forward(self, q, k, v, g, beta, *, cu_seqlens=None, cu_seqlens_cpu=None, plan: Optional[CPPlan] = None,

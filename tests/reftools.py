@@ -5,22 +5,24 @@ import torch.nn.functional as F
 F64 = torch.float64
 
 
-# Below FLOOR a reference's norm is treated as FLOOR (the error becomes absolute): an fp32 result that small sits at
-# the bottom of fp32's range (a long document's decay products underflow to 0 there), where a relative error
-# measures the format, not the kernel.
-FLOOR = 1e-30
+def floor_of(got) -> float:
+    """The reference scale below which an error is taken as absolute: for a result narrower than fp64, 1e-30 - there
+    it sits at the bottom of fp32's range (a long document's decay products underflow to 0), where a relative error
+    measures the format, not the kernel; for an fp64 result, 1e-300."""
+    return 1e-300 if got.dtype == torch.float64 else 1e-30
 
 
 def rel_rms(got, want) -> float:
-    """||got - want|| / max(||want||, FLOOR), in fp64: the normwise relative error the kernels' bounds are stated in."""
+    """||got - want|| / max(||want||, floor_of(got)), in fp64: the normwise relative error the bounds are stated in."""
     want = want.double()
-    return ((got.double() - want).norm() / want.norm().clamp_min(FLOOR)).item()
+    return ((got.double() - want).norm() / want.norm().clamp_min(floor_of(got))).item()
 
 
 def rel_err(got, want) -> float:
-    """max |got - want| / max(max |want|, FLOOR), in fp64: the elementwise measure of the reference-math tests."""
+    """max |got - want| / max(max |want|, floor_of(got)), in fp64: the elementwise measure of the reference-math
+    tests."""
     want = want.double()
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(FLOOR)).item()
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(floor_of(got))).item()
 
 
 def rand_lens(gen, fixed=(1, 2, 63, 64, 65, 130), n_random=2, hi=200):

@@ -125,6 +125,13 @@ def test_includes_resolve_as_nvcc_resolves_them(tmp_path, monkeypatch):
     (tmp_path / "common" / "c.h").write_text('#include "cuda_bf16.h"\n')
     with pytest.raises(FileNotFoundError, match=r'"cuda_bf16.h" \(in common\)'):
         hashing.our_includes('#include "common/a.cuh"\n', {})
+    # a Jinja partial's text is rendered into the unit (compiled in generated/): its quoted includes resolve under
+    # templates/, not beside the partial
+    (tmp_path / "prog").mkdir()
+    (tmp_path / "prog" / "part.cuh.j2").write_text('#include "local.h"\n')
+    (tmp_path / "prog" / "local.h").write_text("// beside the partial: not what nvcc finds\n")
+    with pytest.raises(FileNotFoundError, match=r'"local.h" \(in a template\)'):
+        hashing.our_includes('{% include "prog/part.cuh.j2" %}\n', {})
 
 
 def test_manifest_edit_is_detected(repo_copy):

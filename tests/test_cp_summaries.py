@@ -43,7 +43,7 @@ def test_pieces_compose_to_the_fragment(chunks_per_piece):
 
 def test_several_fragments_in_one_call():
     """counts splits the stacked pieces between fragments, in order."""
-    gen = generator("summaries-7")
+    gen = generator("several-fragments")
     H, K = 1, 8
     frags = [fragment(n, H, K, gen) for n in (100, 64, 200)]
     counts = [2, 1, 3]
@@ -67,7 +67,7 @@ def test_batched_summaries_gather_the_pieces(monkeypatch):
     from kda_aot.cp.backends import CudaBackend
     from kda_aot._runtime.packing import pack_tables
 
-    gen = generator("summaries-11")
+    gen = generator("batched-pieces")
     H, K = 2, 8
     lens = [130, 5000, 65, 3000, 1]
     T = sum(lens)

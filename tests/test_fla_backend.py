@@ -130,8 +130,9 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
             (base[:3] + [base[3].long()] + base[4:], {"use_gate_in_kernel": True}, "g in torch.int64"),
             (base, {"use_gate_in_kernel": True, "lower_bound": torch.tensor(-1.0)}, "lower_bound of type Tensor"),
             (base, {"use_gate_in_kernel": True, "lower_bound": True}, "lower_bound of type bool"),
-            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2, dtype=torch.int64)}, "A_log not a floating"),
-            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2), "dt_bias": [0.0] * 256}, "dt_bias not a floating"),
+            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2, dtype=torch.int64)}, "A_log not a float32"),
+            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2, dtype=torch.float8_e4m3fn)}, "A_log not a float32"),
+            (base, {"use_gate_in_kernel": True, "A_log": torch.zeros(2), "dt_bias": [0.0] * 256}, "dt_bias not a float32"),
             # a pack padded past cu_seqlens[-1] (FLA runs it; kda_aot.chunk_kda refuses it) and broken boundaries
             (base, {"cu_seqlens": torch.tensor([0, 30, 60])}, "not the boundaries of the whole pack"),
             (base, {"cu_seqlens": torch.tensor([0, 20, 60])}, "not the boundaries of the whole pack"),

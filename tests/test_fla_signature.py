@@ -185,7 +185,7 @@ def test_unserved_arguments_raise(reference_op):
              (dict(use_gate_in_kernel=True), ValueError, "A_log: required with use_gate_in_kernel"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"][:1]), ValueError,
               r"A_log: expected 2 elements \(\[HV\] for HV = 2\), got shape \[1\]"),
-             (dict(use_gate_in_kernel=True, A_log=x["A_log"].long()), TypeError, "A_log: expected a floating-point tensor"),
+             (dict(use_gate_in_kernel=True, A_log=x["A_log"].long()), TypeError, "A_log: expected float32, bfloat16, float16 or float64"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"][:5]), ValueError,
               r"dt_bias: expected 256 elements"),
              (dict(use_gate_in_kernel=True, A_log=x["A_log"], safe_gate=True), ValueError,

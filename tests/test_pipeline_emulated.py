@@ -301,7 +301,7 @@ def test_every_replay_order_gives_the_same_bits(kda_options, emulated, monkeypat
             (("split", 0, 1), ("full", 1, len(lengths))) if len(lengths) > 1 else (("full", 0, 1),)))
     _nan_empty(monkeypatch)
     kda_options(gate_form=gate_form)
-    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 2, ("inputs", len(lens)))
+    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 2, ("replay-orders", tuple(lens)))
     got = {}
     for name, pipeline in (("plain", "0"), ("pipelined", "1")):
         kda_options(pipeline=pipeline == "1")
@@ -321,7 +321,7 @@ def test_pipelined_forward_gives_the_plain_bits(emulated, monkeypatch, lens):
     """The pipelined forward, the last group's segment cut in pieces (grouping.last_group_pieces; each
     piece's walk starts from the end state of the one before), gives the plain order's bits."""
     _nan_empty(monkeypatch)
-    q, k, v, g, beta, cu, h0, _, _ = _inputs(lens, 2, ("inputs", 3))
+    q, k, v, g, beta, cu, h0, _, _ = _inputs(lens, 2, ("pipelined-forward", tuple(lens)))
     a = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
                           save_tape=True, pipeline=False)
     b = kda.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=True,
@@ -363,7 +363,7 @@ def test_cp_pipelined_forward_gives_the_plain_bits(emulated, kda_options, monkey
     kda_options(cp_exchange_beside=beside == "1")
     kda_options(cp_piece_senders=piece_senders == "1")
     _nan_empty(monkeypatch)
-    q, k, v, g, beta, cu, known, _, later = _inputs(lens, 2, ("inputs", 7))
+    q, k, v, g, beta, cu, known, _, later = _inputs(lens, 2, ("cp-pipelined-forward", tuple(lens)))
     backend, bounds = CudaBackend(), cu.tolist()
     states = known.clone()
     states[deferred] = later[deferred]
@@ -421,7 +421,7 @@ def test_cp_full_replay_walk_then_rewalk_gives_the_plain_bits(emulated, monkeypa
     monkeypatch.setattr(fit, "rewalk_beside", lambda lengths, rewalk, heads, sms: heads * len(rewalk) if beside else None)
     from kda_aot.cp.backends import CudaBackend
     _nan_empty(monkeypatch)
-    q, k, v, g, beta, cu, h0, do, true = _inputs(lens, 2, ("inputs", 9))
+    q, k, v, g, beta, cu, h0, do, true = _inputs(lens, 2, ("cp-rewalk", tuple(lens)))
     backend, bounds = CudaBackend(), cu.tolist()
     known = true.clone()
     known[remote] = 0
@@ -443,7 +443,7 @@ def test_the_ordering_check_sees_a_missing_wait(emulated, monkeypatch):
     """The ordering check can fail. Without the side streams' wait for the current stream, a pipelined walk
     reads its chunk stage's output unwaited; without the current stream's join of the side streams, the
     replay's kda_bwd_chunk reads the walks' tapes unwaited."""
-    q, k, v, g, beta, cu, h0, do, dht = _inputs([300, 129, 700], 2, ("inputs", 5))
+    q, k, v, g, beta, cu, h0, do, dht = _inputs([300, 129, 700], 2, "missing-wait")
     wait = _Stream.wait_stream
     main = emulated.current[0]
     monkeypatch.setattr(_Stream, "wait_stream", lambda self, other: wait(self, other) if self is main else None)
@@ -457,7 +457,7 @@ def test_the_ordering_check_sees_a_missing_wait(emulated, monkeypatch):
 def test_a_failing_launch_still_joins_the_side_streams(emulated, monkeypatch):
     """execute.run: when a node raises, the plan's joins after it still run (the current stream waits for
     every side stream, whose queued walks may still read the caller's tensors), then the error goes on."""
-    q, k, v, g, beta, cu, h0, _, _ = _inputs([300, 129, 700], 2, ("inputs", 5))
+    q, k, v, g, beta, cu, h0, _, _ = _inputs([300, 129, 700], 2, "failing-launch")
     walk, calls, sides = kda.chunk_kda_walk, [], set()
 
     def second_fails(*args, **kwargs):
@@ -475,11 +475,27 @@ def test_a_failing_launch_still_joins_the_side_streams(emulated, monkeypatch):
         assert main.clock.get(side.id, 0) >= side.launched > 0
 
 
+def test_a_failing_launch_inside_forked_still_joins(emulated, monkeypatch):
+    """kda.forked, the fork and join of the launches planned outside a PipelinePlan (here the replay's two walks):
+    when a launch inside raises, the current stream still waits for the side stream, whose walk may still read
+    the caller's tensors, and the error goes on."""
+    q, k, v, g, beta, cu, h0, do, dht = _inputs([300, 129, 700], 2, "forked-join")
+    prepared = kda.chunk_kda_prepare(q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, save_tape=True)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(backward, "chunk_kda_bwd_walk", fails)  # on the current stream, after the side's walk
+    with pytest.raises(RuntimeError, match="launch failed"):
+        backward.replay_walks(prepared, h0, do, dht)
+    main, (side,) = emulated.current[0], kda._side_streams(None, 1, "replay")
+    assert side.launched > 0 and main.clock.get(side.id, 0) >= side.launched
+
+
 def test_a_failing_launch_joins_only_the_streams_it_forked(emulated, monkeypatch):
     """Under CUDA-graph capture the current stream may wait only on streams that waited on it first: the
     error path joins the streams this run forked (the side streams its walks ran on) and no other (the
     CP exchange's, never forked when the failure comes before the exchange node), each join on its own."""
-    q, k, v, g, beta, cu, h0, _, _ = _inputs([300, 129, 700, 64], 2, ("inputs", 6))
+    q, k, v, g, beta, cu, h0, _, _ = _inputs([300, 129, 700, 64], 2, "failing-launch-forked")
     waited, joined = set(), []
     wait_stream = _Stream.wait_stream
 
@@ -523,7 +539,7 @@ def test_replay_in_tiles_gives_the_one_pass_bits(kda_options, emulated, monkeypa
     so a row no tile wrote shows."""
     _nan_empty(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 4, ("inputs", 7 * len(lens)))
+    q, k, v, g, beta, cu, h0, do, dht = _inputs(lens, 4, ("replay-tiles", tuple(lens)))
     if not dh0:
         h0 = dht = None
     monkeypatch.setattr(backward, "_available_bytes", lambda device: 1 << 50)

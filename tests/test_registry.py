@@ -63,6 +63,7 @@ def test_the_arch_is_the_launch_device_s(monkeypatch):
                 registry.library("conv1d_silu_fwd", "default", device)
         with pytest.raises(ValueError, match="launch on CUDA devices, not cpu"):
             registry.library("conv1d_silu_fwd", "default", "cpu")
+        assert registry.serves("cuda:0") and not registry.serves("cuda:1") and not registry.serves("cpu")
     finally:
         registry._arch_of_index.cache_clear()
 

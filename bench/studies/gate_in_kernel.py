@@ -19,7 +19,8 @@ sys.path.insert(0, ROOT)
 import kda_aot  # noqa: E402
 from kda_aot.reference import kda_gate  # noqa: E402
 from test_fla_signature import expected  # noqa: E402
-from test_fla_signature_gpu import cuda_inputs, on_cpu_f64, rel_rms  # noqa: E402
+from reftools import rel_rms  # noqa: E402
+from test_fla_signature_gpu import cuda_inputs, on_cpu_f64  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")
 CASES = {"layer": (4, 4, None, False, False), "gva2-neg-vfirst": (4, 8, None, True, True),

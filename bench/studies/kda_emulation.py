@@ -1,7 +1,7 @@
 """Study (CPU): the KDA kernels' roundings emulated in torch, against the fp64 reference.
 
 Emulates the shipped forward (kda_fwd_chunk/lean, kda_fwd_walk) and backward (kda_bwd_walk,
-kda_bwd_chunk/prefetch, kda_bwd_gate/split_staged) at their rounding points: what is rounded to bf16
+kda_bwd_chunk, kda_bwd_gate/split_staged) at their rounding points: what is rounded to bf16
 where, what is accumulated in fp32, which operands are bf16 hi + lo, which exps are ex2.approx.ftz
 (fp32 exp2 with subnormal results flushed), with the kernels' anchors (so strong gates overflow here
 where they overflow on the GPU). Tensor-core products are fp32 matmuls of the rounded operands; the

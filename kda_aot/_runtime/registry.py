@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .arch import CAPABILITY_ARCH, DEFAULT_ARCH, arch_of
+from .arch import DEFAULT_ARCH, arch_of
 from .packing import HEAD_DIM
 
 PACKAGE = Path(__file__).resolve().parent.parent  # kda_aot/
@@ -149,8 +149,8 @@ def serves(device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    arch = CAPABILITY_ARCH.get(tuple(torch.cuda.get_device_capability(device)))
-    return arch is not None and any(r["arch"] == arch and r["shipped"] for r in records())
+    arch = running_arch(device)
+    return any(r["arch"] == arch and r["shipped"] for r in records())
 
 
 def auto_backend(x, head_dim: int = HEAD_DIM) -> str:

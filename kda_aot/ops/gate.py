@@ -19,7 +19,7 @@ from ..reference.activations import beta_sigmoid, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
 
 # FLA's gate reads A_log and dt_bias as fp32 whatever their float dtype; so do the kernels (kernel_gate).
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+GATE_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def is_real(value) -> bool:
@@ -42,8 +42,8 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if t.dtype not in GATE_PARAM_DTYPES:
+            raise TypeError(f"{name}: expected float32, bfloat16, float16 or float64, got {t.dtype}")
         if t.numel() != numel:
             spelled = f"[HV] for HV = {HV}" if name == "A_log" else f"[HV * K] for HV = {HV}, K = {K}"
             raise ValueError(f"{name}: expected {numel} elements ({spelled}), got shape {list(t.shape)}")

@@ -161,9 +161,9 @@ def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
     Columns of Aqk/Akk/Akk_inv past the chunk's length are 0. q, k may have fewer heads (grouped value
     heads: H above is v's; Qg, Kg, W are per value head).
     """
-    T, H, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype,
                                                   detach=True)
+    T, H, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     with torch.no_grad():
         table = _chunk_table(cu, chunk_size)
         n = len(table)
