@@ -39,10 +39,10 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
 
 from ._runtime import registry
 from ._runtime.packing import host_copy
-from ._runtime.tensor import boundaries_tensor, check_cu_seqlens
+from ._runtime.tensor import boundaries_tensor, check_cu_seqlens, is_real
 from .ops.chunk_kda import chunk_kda
 from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
-from .ops.gate import GATE_PARAM_DTYPES, is_real
+from .ops.gate import GATE_PARAM_DTYPES
 from .schedule.kda import HEAD_DIM, MAX_HEADS
 
 BACKEND_TYPE = "kda_aot"

@@ -57,6 +57,11 @@ def stream_of(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
+def is_real(value) -> bool:
+    """A real number, Python's or numpy's as configs carry it (a bool, numpy's too, is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def checked_scale(scale, head_dim: int) -> float:
     """The output scale as the ops take it: head_dim ** -0.5 for None, else a finite real number (a Python or
     numpy number, or a one-element tensor) as a float; anything else raises, naming scale (a NaN scale would
@@ -67,7 +72,7 @@ def checked_scale(scale, head_dim: int) -> float:
         if scale.numel() != 1 or scale.is_complex() or scale.dtype == torch.bool:
             raise TypeError(f"scale: expected a real number, got a tensor of shape {list(scale.shape)} and dtype {scale.dtype}")
         scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+    if not is_real(scale):
         raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
     scale = float(scale)
     if not math.isfinite(scale):

@@ -9,22 +9,17 @@ kda_aot.chunk_kda (kernel_beta: every program that reads beta forms it from the 
 parallelism as the torch operation here (beta_sigmoid).
 """
 import math
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .._runtime.tensor import is_real
 from ..reference.activations import beta_sigmoid, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
 
 # FLA's gate reads A_log and dt_bias as fp32 whatever their float dtype; so do the kernels (kernel_gate).
 GATE_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def is_real(value) -> bool:
-    """A real number, Python's or numpy's as configs carry it (a bool, numpy's too, is not one)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],

@@ -1,20 +1,17 @@
 """Per-head L2 norm of q and k (PackedKDA's qk_l2norm) on the GPU: kernel calls and the autograd op.
 
 y = x / sqrt(sum x^2 + eps) over each 128-wide head row, in fp32 from bf16, rounded to bf16 —
-flash-linear-attention's l2norm (eps 1e-6; kda_aot.reference.activations.l2norm, the formula). The forward keeps 1 / sqrt(sum x^2 + eps) per row
-(4 bytes a row) for the backward: dx = rstd (dy - y sum(dy y)).
+flash-linear-attention's l2norm (eps 1e-6; the formula: kda_aot.reference.activations.l2norm). The forward
+keeps 1 / sqrt(sum x^2 + eps) per row (4 bytes a row) for the backward: dx = rstd (dy - y sum(dy y)).
 """
 from __future__ import annotations
-
-import numbers
 
 import torch
 
 from .._runtime import registry
 from .._runtime.packing import HEAD_DIM
-from .._runtime.tensor import describe, out_or, require_cuda, stream_of
+from .._runtime.tensor import describe, is_real, out_or, require_cuda, stream_of
 from ..reference.activations import L2NORM_EPS
-
 
 
 def l2norm_forward(x: torch.Tensor, eps: float = L2NORM_EPS, *, out=None):
@@ -81,7 +78,7 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
         raise ValueError(f"x: expected shape [..., {HEAD_DIM}] (one head per row), got {list(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x: expected dtype torch.bfloat16, got {x.dtype}")
-    if not (isinstance(eps, numbers.Real) and not isinstance(eps, bool)):
+    if not is_real(eps):
         raise TypeError(f"eps: expected a number, got {type(eps).__name__}")
     if not float(eps) > 0:
         raise ValueError(f"eps: expected a positive number, got {eps}")
