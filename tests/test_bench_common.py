@@ -38,3 +38,30 @@ def test_bits_compare_sees_one_flipped_bit_and_not_nan_or_zero_signs(tmp_path, c
     zero_sign[2] = 0.0
     torch.save({"case/replay": {"dg": zero_sign, "dq": y.clone()}}, tmp_path / "d.pt")
     assert compare(tmp_path / "a.pt", tmp_path / "d.pt") == 1
+
+
+_SASS = """
+//--------------------- .text._ZN59_GLOBAL__N__674c4a9b_26_51f0f3e9496cd614_kernel_cu_1e946f3e13kda_fwd_chunkEv ----
+	.section	.text._ZN59_GLOBAL__N__674c4a9b_26_51f0f3e9496cd614_kernel_cu_1e946f3e13kda_fwd_chunkEv,"ax",@progbits
+.text._ZN59_GLOBAL__N__674c4a9b_26_51f0f3e9496cd614_kernel_cu_1e946f3e13kda_fwd_chunkEv:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/               @P1 MUFU.EX2 R12, R13 ;
+.L_x_0:
+        /*0020*/                   MUFU.LG2 R27, R27 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+"""
+
+
+def test_sass_parse_keys_kernels_without_their_unit_and_counts_opcodes():
+    """bench/sass.py, the check that a template change left machine code alone: a kernel is named without its
+    unit's file name (which every re-hash changes), instructions lose their addresses, and the opcode counts
+    ignore predicates and modifiers; the same kernel from another unit parses equal, a changed one does not."""
+    from bench.sass import opcode_counts, parse_sass
+    k = parse_sass(_SASS)
+    assert list(k) == ["_ZN59<unit>13kda_fwd_chunkEv"]
+    assert k["_ZN59<unit>13kda_fwd_chunkEv"][1] == "@P1 MUFU.EX2 R12, R13"
+    c = opcode_counts(k["_ZN59<unit>13kda_fwd_chunkEv"])
+    assert (c["MUFU"], c["HMMA"], c["LDC"], sum(c.values())) == (2, 1, 1, 4)
+    other_unit = _SASS.replace("51f0f3e9496cd614", "0123456789abcdef").replace("674c4a9b", "deadbeef")
+    assert parse_sass(other_unit) == k
+    assert parse_sass(_SASS.replace("MUFU.LG2 R27", "MUFU.LG2 R28")) != k
