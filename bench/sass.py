@@ -53,8 +53,8 @@ def find_nvdisasm() -> str:
 
 
 def parse_sass(text: str) -> dict:
-    """{kernel: [instruction, ...]} from `nvdisasm -c` output: each instruction without its address (labels
-    stay; they are numbered within the unit)."""
+    """{kernel: [instruction, ...]} from `nvdisasm -c` output: each instruction without its address, and the
+    unit's name left out of the symbols it names (labels stay; they are numbered within the unit)."""
     kernels, current = {}, None
     for line in text.splitlines():
         m = _FUNC.match(line.strip())
@@ -64,7 +64,7 @@ def parse_sass(text: str) -> dict:
             continue
         m = _INSTR.match(line)
         if m and current is not None:
-            kernels[current].append(" ".join(m.group(1).split()))
+            kernels[current].append(_ANON.sub("<unit>", " ".join(m.group(1).split())))
     return kernels
 
 
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
                         ca, cb = opcode_counts(a), opcode_counts(b)
                         moved = {op: cb[op] - ca[op] for op in set(ca) | set(cb) if cb[op] != ca[op]}
                         print(f"  {name[:90]}: {len(a)} -> {len(b)} instructions; moved: "
-                              + (" ".join(f"{op} {d:+d}" for op, d in sorted(moved.items())) or "order only"))
+                              + (" ".join(f"{op} {d:+d}" for op, d in sorted(moved.items())) or "the same opcode counts"))
     return 1 if changed else 0
 
 

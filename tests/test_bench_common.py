@@ -49,6 +49,7 @@ _SASS = """
 .L_x_0:
         /*0020*/                   MUFU.LG2 R27, R27 ;
         /*0030*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0040*/                   RET.REL.NODEC R6 `(_ZN59_GLOBAL__N__674c4a9b_26_51f0f3e9496cd614_kernel_cu_1e946f3e13kda_fwd_chunkEv) ;
 """
 
 
@@ -61,7 +62,7 @@ def test_sass_parse_keys_kernels_without_their_unit_and_counts_opcodes():
     assert list(k) == ["_ZN59<unit>13kda_fwd_chunkEv"]
     assert k["_ZN59<unit>13kda_fwd_chunkEv"][1] == "@P1 MUFU.EX2 R12, R13"
     c = opcode_counts(k["_ZN59<unit>13kda_fwd_chunkEv"])
-    assert (c["MUFU"], c["HMMA"], c["LDC"], sum(c.values())) == (2, 1, 1, 4)
+    assert (c["MUFU"], c["HMMA"], c["LDC"], sum(c.values())) == (2, 1, 1, 5)
     other_unit = _SASS.replace("51f0f3e9496cd614", "0123456789abcdef").replace("674c4a9b", "deadbeef")
     assert parse_sass(other_unit) == k
     assert parse_sass(_SASS.replace("MUFU.LG2 R27", "MUFU.LG2 R28")) != k
