@@ -19,7 +19,7 @@ from torch import nn
 
 from . import reference
 from ._runtime import registry
-from ._runtime.tensor import boundaries_tensor, check_cu_seqlens_cpu, checked_scale, require_cuda
+from ._runtime.tensor import boundaries_tensor, check_cu_seqlens_cpu, checked_flag, checked_scale, require_cuda
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
@@ -37,18 +37,6 @@ BACKENDS = ("auto", "reference", "cuda")
 def resolve_backend(backend: str, x: torch.Tensor, head_dim: int = HEAD_DIM) -> str:
     """The backend a call runs on: "auto" resolves by the inputs and the head dim (kda_aot.registry.auto_backend)."""
     return registry.auto_backend(x, head_dim) if backend == "auto" else backend
-
-
-def _flag(name: str, value) -> bool:
-    """A switch given as a bool, or as what configs carry for one (0 / 1, numpy's bool); nothing else (a
-    string such as "no" would be truthy)."""
-    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
-        return bool(value)
-    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
-        return bool(value)
-    if not isinstance(value, float) and hasattr(type(value), "__index__") and operator.index(value) in (0, 1):
-        return bool(operator.index(value))
-    raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 def _check_floating(name, x):
@@ -85,7 +73,7 @@ class PackedKDA(nn.Module):
                 raise TypeError(f"{name}: expected an int, got {value!r}")
             if operator.index(value) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
-        conv_bias, qk_l2norm = _flag("conv_bias", conv_bias), _flag("qk_l2norm", qk_l2norm)
+        conv_bias, qk_l2norm = checked_flag("conv_bias", conv_bias), checked_flag("qk_l2norm", qk_l2norm)
         self.num_heads, self.head_dim = operator.index(num_heads), operator.index(head_dim)
         self.qk_l2norm, self.backward_mode, self.backend = qk_l2norm, backward, backend
         D = self.num_heads * self.head_dim
@@ -223,6 +211,7 @@ class PackedKDA(nn.Module):
             _check_floating("initial_state", initial_state)
         cu_seqlens = boundaries_tensor(cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
+        output_final_state = checked_flag("output_final_state", output_final_state)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)
         backend = resolve_backend(self.backend, q, self.head_dim)
         if backend == "cuda" and self.head_dim != HEAD_DIM:

@@ -213,7 +213,13 @@ def test_unserved_arguments_raise(reference_op):
              (dict(scale=True), TypeError, "scale: expected a real number or None, got bool"),
              (dict(scale=float("nan")), ValueError, "scale: expected a finite number, got nan"),
              (dict(scale=float("inf")), ValueError, "scale: expected a finite number, got inf"),
-             (dict(scale=torch.ones(2)), TypeError, r"scale: expected a real number, got a tensor of shape \[2\]")]
+             (dict(scale=torch.ones(2)), TypeError, r"scale: expected a real number, got a tensor of shape \[2\]"),
+             # a flag is a bool (or 0 / 1, numpy's bool, None as False): a string such as "no" would be truthy
+             (dict(output_final_state="no"), TypeError, "output_final_state: expected a bool, got 'no'"),
+             (dict(use_qk_l2norm_in_kernel="yes"), TypeError, "use_qk_l2norm_in_kernel: expected a bool, got 'yes'"),
+             (dict(use_gate_in_kernel=2), TypeError, "use_gate_in_kernel: expected a bool, got 2"),
+             (dict(state_v_first=1.0), TypeError, "state_v_first: expected a bool, got 1.0"),
+             (dict(disable_recompute="False"), TypeError, "disable_recompute: expected a bool, got 'False'")]
     for kw, err, match in cases:
         with pytest.raises(err, match=match):
             kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **kw)
@@ -228,6 +234,17 @@ def test_unserved_arguments_raise(reference_op):
             kda_aot.chunk_kda(*args, cu_seqlens=x["cu"], use_gate_in_kernel=True, A_log=x["A_log"],
                               dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True)
     assert reference_op == []  # no error reached the op
+
+
+def test_optional_flags_given_as_none_are_false(reference_op):
+    """FLA's layers pass their Optional[bool] settings as they are (output_final_state=use_cache, None by default
+    in some): None is False, as FLA reads it."""
+    x = inputs([64], 2, 2, "none-flags")
+    g, b = -torch.rand(1, 64, 2, D), torch.rand(1, 64, 2).to(torch.bfloat16)
+    o, s = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, output_final_state=None, use_qk_l2norm_in_kernel=None,
+                             safe_gate=None, state_v_first=None, cu_seqlens=x["cu"])
+    want, _ = reference.kda_chunked(*(t.double() for t in (x["q"], x["k"], x["v"], g, b)), cu_seqlens=x["cu"].tolist())
+    assert s is None and rel_rms(o, want) < 1e-12
 
 
 def test_scale_and_initial_state_positionally(reference_op):

@@ -11,7 +11,7 @@ import torch
 from kda_aot import reference
 from kda_aot.nn import PackedKDA
 
-from conftest import SEED, generator, gpu
+from conftest import HAS_GPU, SEED, generator, gpu
 from reftools import rel_err
 print(f"[test_nn] KDA_TEST_SEED={SEED}")
 
@@ -187,6 +187,15 @@ def test_argument_errors():
         m(q, k, v, g, beta, cu_seqlens=cu, initial_state=[[0.0]])
     with pytest.raises(ValueError, match="g: on meta but q is on cpu"):
         m(q, k, v, g.to("meta"), beta, cu_seqlens=cu)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
+def test_cuda_backend_refuses_cpu_tensors_naming_the_reference_backend():
+    m = PackedKDA(2, 128, backend="cuda")
+    (q, k, v), g, beta, cu = inputs("cuda-on-cpu", [4, 4], 2, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"q: PackedKDA\(backend='cuda'\) runs its kernels on a CUDA GPU, got a tensor "
+                                         r"on cpu; on the CPU, PackedKDA\(backend='auto'\) runs the same module"):
+        m(q, k, v, g, beta, cu_seqlens=cu)
 
 
 def test_cuda_backend_needs_head_dim_128():

@@ -36,14 +36,24 @@ def describe(t: torch.Tensor | None, name: str):
     return (t.data_ptr(), code, device, tuple(t.shape), tuple(t.stride()))
 
 
+# Where each op's math runs on the CPU, for the refusal below.
+CPU_COUNTERPARTS = {
+    "chunk_kda": "kda_aot.reference.kda_chunked is the same math in fp64 (with FLA's use_qk_l2norm, use_gate or "
+                 "use_beta_sigmoid_in_kernel, apply kda_aot.reference.l2norm, kda_gate or beta_sigmoid to its inputs "
+                 "first)",
+    "causal_conv1d_silu": "kda_aot.reference.conv1d_silu is the same math in fp64",
+    "l2norm": "kda_aot.reference.l2norm is the same math",
+    "PackedKDA(backend='cuda')": "PackedKDA(backend='auto') runs the same module on kda_aot.reference",
+}
+
+
 def require_cuda(t: torch.Tensor, name: str, op: str) -> None:
     """The refusal of a tensor off the GPU, made where an op would launch its first kernel (after every check
-    that needs none, so bad input is named the same everywhere). Traced tensors pass: a trace on the CPU
-    stands for the GPU call (tests/test_ops_trace.py)."""
+    that needs none, so bad input is named the same everywhere), naming the op's CPU counterpart. Traced tensors
+    pass: a trace on the CPU stands for the GPU call (tests/test_ops_trace.py)."""
     if not t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t):
         raise ValueError(f"{name}: {op} runs its kernels on a CUDA GPU, got a tensor on {t.device}; on the CPU, "
-                         f"kda_aot.reference holds the same math (fp64) and kda_aot.nn.PackedKDA(backend=\"auto\") "
-                         f"runs it")
+                         f"{CPU_COUNTERPARTS[op]}")
 
 
 def out_or(out: dict, name: str, make):
@@ -60,6 +70,18 @@ def stream_of(t: torch.Tensor) -> int:
 def is_real(value) -> bool:
     """A real number, Python's or numpy's as configs carry it (a bool, numpy's too, is not one)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def checked_flag(name: str, value) -> bool:
+    """A switch given as a bool, or as what configs carry for one (0 / 1, numpy's bool); nothing else (a
+    string such as "no" would be truthy)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
+        return bool(value)
+    if not isinstance(value, float) and hasattr(type(value), "__index__") and operator.index(value) in (0, 1):
+        return bool(operator.index(value))
+    raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 def checked_scale(scale, head_dim: int) -> float:

@@ -14,7 +14,8 @@ from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
 from .gate import activate, check_activation_shapes, kernel_beta, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, host_copy
-from .._runtime.tensor import boundaries_tensor, check_cu_seqlens, check_cu_seqlens_cpu, checked_scale, require_cuda
+from .._runtime.tensor import (boundaries_tensor, check_cu_seqlens, check_cu_seqlens_cpu, checked_flag, checked_scale,
+                               require_cuda)
 
 BACKWARD_MODES = ("replay", "saved")
 
@@ -79,12 +80,23 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Not served, with an error naming them: cp_context (kda_aot.cp.chunk_kda_cp is the context-parallel
     op), return_intermediate_states, use_graph (our ops capture in CUDA graphs as they are), chunk sizes
     other than 64, head dims other than 128."""
+    (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = (
+        False if value is None else checked_flag(name, value)  # None: FLA's layers pass Optional[bool]s as they are
+        for name, value in (("output_final_state", output_final_state),
+                            ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                            ("use_gate_in_kernel", use_gate_in_kernel),
+                            ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                            ("allow_neg_eigval", allow_neg_eigval), ("safe_gate", safe_gate),
+                            ("disable_recompute", disable_recompute),
+                            ("return_intermediate_states", return_intermediate_states),
+                            ("state_v_first", state_v_first), ("use_graph", use_graph)))
     mode = _backward_mode(backward, disable_recompute)
     if transpose_state_layout is not None:  # FLA's deprecated name of state_v_first
         if state_v_first:
             raise ValueError("state_v_first: give it or the deprecated transpose_state_layout, not both")
         warnings.warn("transpose_state_layout is deprecated: use state_v_first", DeprecationWarning, stacklevel=2)
-        state_v_first = bool(transpose_state_layout)
+        state_v_first = checked_flag("transpose_state_layout", transpose_state_layout)
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
     cu_seqlens = boundaries_tensor(cu_seqlens)
     scale = checked_scale(scale, HEAD_DIM)

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._runtime.tensor import boundaries_tensor, check_cu_seqlens
+from .._runtime.tensor import boundaries_tensor, check_cu_seqlens, checked_scale
 
 G_FLOOR = -1000.0  # chunk_prepare's floor of g: exp of anything through it underflows to 0, like exp(-inf)
 
@@ -142,16 +142,22 @@ def _tokens(outs: list, join, H: int, V: int, dtype, device) -> torch.Tensor:
     return join(outs, dim=0)[None]
 
 
+WORK_DTYPES = (torch.float64, torch.float32)
+
+
 def _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype, detach=False) -> tuple:
     """What every entry point of the reference starts with: the checked document bounds, (q, k per value head, v,
-    g, beta, the initial state or None) in `dtype` (detached with `detach`), and the scale (K^-0.5 by default)."""
+    g, beta, the initial state or None) in `dtype` (detached with `detach`), and the scale (K^-0.5 by default;
+    else a finite real number, as the ops take it)."""
+    if dtype not in WORK_DTYPES:  # (the chunked form's triangular solve has no half-precision kernel)
+        raise TypeError(f"dtype: the reference computes in torch.float64 or torch.float32, got {dtype}")
     cu = _bounds(cu_seqlens, q.shape[1])
     _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
     HV, K = v.shape[2], q.shape[3]
     q, k = per_value_head(q, HV), per_value_head(k, HV)
     cast = (lambda x: x.detach().to(dtype)) if detach else (lambda x: x.to(dtype))
     tensors = tuple(cast(x) for x in (q, k, v, g, beta)) + (None if initial_state is None else cast(initial_state),)
-    return cu, tensors, K ** -0.5 if scale is None else scale
+    return cu, tensors, checked_scale(scale, K)
 
 
 def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
