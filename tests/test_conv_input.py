@@ -82,7 +82,8 @@ def test_bad_input_is_named(name, mutate, exc, match):
 @pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
 def test_cpu_tensors_are_refused_after_every_other_check():
     x, w, b, cu, h = good()
-    with pytest.raises(ValueError, match=r"x: expected a CUDA tensor \(.*on the CPU, kda_aot.reference holds the same math"):
+    with pytest.raises(ValueError, match=r"x: expected a CUDA tensor \(kda_aot's kernels run on a CUDA GPU; on the CPU, "
+                                         r"kda_aot.reference holds the same math in fp64\)"):
         causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
     empty = x[:, :0]  # no token: nothing to launch, and still refused (not an empty result)
     with pytest.raises(ValueError, match="x: causal_conv1d_silu runs its kernels on a CUDA GPU.*kda_aot.reference.conv1d_silu is the same"):

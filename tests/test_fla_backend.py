@@ -115,6 +115,7 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
     monkeypatch.setattr(OnCuda, "device", property(lambda self: cuda))
     base = on_cuda(_call())
     assert module.verify(*base) == (True, None)
+    assert module.verify(*base, output_final_state=None, safe_gate=0, state_v_first=None) == (True, None)  # bools
     for args, kw, reason in [
             (on_cuda(_call(D=64)), {}, "head dims 64"),
             (on_cuda(_call(H=2, HV=3)), {}, "3 value heads over 2"),
@@ -124,6 +125,8 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
             (base, {"cp_context": object()}, "cp_context"),
             (base, {"return_intermediate_states": True}, "return_intermediate_states"),
             (base, {"use_graph": True}, "use_graph"),
+            (base, {"output_final_state": "no"}, "output_final_state of type str (kda_aot: a bool)"),
+            (base, {"use_qk_l2norm_in_kernel": 1.0}, "use_qk_l2norm_in_kernel of type float"),
             (base, {"some_new_flag": 1}, "keywords kda_aot does not take: ['some_new_flag']"),
             (base, {"initial_state": torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)}, "initial_state not fp32"),
             (base[:3] + [base[3].double()] + base[4:], {}, "g in torch.float64"),

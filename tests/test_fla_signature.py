@@ -219,7 +219,12 @@ def test_unserved_arguments_raise(reference_op):
              (dict(use_qk_l2norm_in_kernel="yes"), TypeError, "use_qk_l2norm_in_kernel: expected a bool, got 'yes'"),
              (dict(use_gate_in_kernel=2), TypeError, "use_gate_in_kernel: expected a bool, got 2"),
              (dict(state_v_first=1.0), TypeError, "state_v_first: expected a bool, got 1.0"),
-             (dict(disable_recompute="False"), TypeError, "disable_recompute: expected a bool, got 'False'")]
+             (dict(disable_recompute="False"), TypeError, "disable_recompute: expected a bool, got 'False'"),
+             (dict(safe_gate=torch.tensor([True])), TypeError,
+              r"safe_gate: expected a bool, got a tensor of shape \[1\] and dtype torch.bool"),
+             (dict(safe_gate=torch.tensor(1.0)), TypeError,
+              r"safe_gate: expected a bool, got a tensor of shape \[\] and dtype torch.float32 holding 1.0"),
+             (dict(safe_gate=torch.tensor(2)), TypeError, r"safe_gate: expected a bool, got a tensor .* holding 2")]
     for kw, err, match in cases:
         with pytest.raises(err, match=match):
             kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **kw)
@@ -245,6 +250,15 @@ def test_optional_flags_given_as_none_are_false(reference_op):
                              safe_gate=None, state_v_first=None, cu_seqlens=x["cu"])
     want, _ = reference.kda_chunked(*(t.double() for t in (x["q"], x["k"], x["v"], g, b)), cu_seqlens=x["cu"].tolist())
     assert s is None and rel_rms(o, want) < 1e-12
+    # what else a config or a trace carries for a bool: 0 / 1, a 0-d bool tensor, a SymBool from a traced shape
+    _, s = kda_aot.chunk_kda(x["q"], x["k"], x["v"], g, b, output_final_state=torch.tensor(True), safe_gate=0,
+                             cu_seqlens=x["cu"])
+    assert s is not None and s.shape == (1, 2, D, D)
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from kda_aot._runtime.tensor import checked_flag
+    traced = make_fx(lambda t: t * 2 if checked_flag("output_final_state", t.shape[0] > 1) else t,
+                     tracing_mode="symbolic")(torch.zeros(3))
+    assert "mul" in traced.code
 
 
 def test_scale_and_initial_state_positionally(reference_op):

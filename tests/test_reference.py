@@ -358,7 +358,8 @@ def test_a_positive_gate_is_refused(gen):
 
 def test_scale_and_dtype_are_checked_as_the_ops_check_them(gen):
     """A NaN or non-numeric scale is refused as chunk_kda and PackedKDA refuse it (not an all-NaN output), and a
-    working dtype the reference cannot compute in is named (not torch's missing-kernel error); fp32 works."""
+    working dtype the chunked forms cannot compute in is named (not torch's missing-kernel error); fp32 works, and
+    the recurrent form takes half precision."""
     q, k, v = (torch.randn(1, 8, 1, 16, generator=gen, dtype=torch.float64) for _ in range(3))
     beta = torch.rand(1, 8, 1, generator=gen, dtype=torch.float64)
     g = -torch.rand(1, 8, 1, 16, generator=gen, dtype=torch.float64)
@@ -367,10 +368,13 @@ def test_scale_and_dtype_are_checked_as_the_ops_check_them(gen):
             fn(q, k, v, g, beta, cu_seqlens=[0, 8], scale=float("nan"))
         with pytest.raises(TypeError, match="scale: expected a real number or None, got str"):
             fn(q, k, v, g, beta, cu_seqlens=[0, 8], scale="0.25")
+    for fn in (ref.kda_chunked, ref.kda_chunked_fwd_saved):
         for dtype in (torch.float16, torch.bfloat16):
-            with pytest.raises(TypeError, match=f"dtype: the reference computes in torch.float64 or torch.float32, "
-                                                f"got {dtype}"):
+            with pytest.raises(TypeError, match=f"dtype: the chunked reference computes in torch.float64 or "
+                                                f"torch.float32, got {dtype}"):
                 fn(q, k, v, g, beta, cu_seqlens=[0, 8], dtype=dtype)
+    o16, _ = ref.kda_recurrent(q, k, v, g, beta, cu_seqlens=[0, 8], dtype=torch.bfloat16)
+    assert o16.dtype == torch.bfloat16 and torch.isfinite(o16).all()
     o64, _ = ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0, 8], scale=torch.tensor(0.3))
     o32, _ = ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0, 8], scale=0.3, dtype=torch.float32)
     assert o32.dtype == torch.float32 and rel_err(o32, o64) < 1e-5

@@ -38,9 +38,9 @@ def describe(t: torch.Tensor | None, name: str):
 
 # Where each op's math runs on the CPU, for the refusal below.
 CPU_COUNTERPARTS = {
-    "chunk_kda": "kda_aot.reference.kda_chunked is the same math in fp64 (with FLA's use_qk_l2norm, use_gate or "
-                 "use_beta_sigmoid_in_kernel, apply kda_aot.reference.l2norm, kda_gate or beta_sigmoid to its inputs "
-                 "first)",
+    "chunk_kda": "kda_aot.reference.kda_chunked is the same math in fp64 (with use_qk_l2norm_in_kernel, "
+                 "use_gate_in_kernel or use_beta_sigmoid_in_kernel, apply kda_aot.reference.l2norm, kda_gate(g, A_log, "
+                 "dt_bias, lower_bound) or beta_sigmoid(beta, allow_neg_eigval) to its inputs first)",
     "causal_conv1d_silu": "kda_aot.reference.conv1d_silu is the same math in fp64",
     "l2norm": "kda_aot.reference.l2norm is the same math",
     "PackedKDA(backend='cuda')": "PackedKDA(backend='auto') runs the same module on kda_aot.reference",
@@ -53,7 +53,7 @@ def require_cuda(t: torch.Tensor, name: str, op: str) -> None:
     pass: a trace on the CPU stands for the GPU call (tests/test_ops_trace.py)."""
     if not t.is_cuda and not torch.compiler.is_compiling() and not is_fake(t):
         raise ValueError(f"{name}: {op} runs its kernels on a CUDA GPU, got a tensor on {t.device}; on the CPU, "
-                         f"{CPU_COUNTERPARTS[op]}")
+                         f"{CPU_COUNTERPARTS.get(op, 'kda_aot.reference holds the same math')}")
 
 
 def out_or(out: dict, name: str, make):
@@ -73,12 +73,21 @@ def is_real(value) -> bool:
 
 
 def checked_flag(name: str, value) -> bool:
-    """A switch given as a bool, or as what configs carry for one (0 / 1, numpy's bool); nothing else (a
+    """A switch given as a bool or as what configs and FLA's layers carry for one: None (False: FLA's Optional[bool]
+    settings), 0 / 1, numpy's bool, a traced SymBool, a 0-d bool or integer tensor holding 0 / 1; nothing else (a
     string such as "no" would be truthy)."""
-    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+    if value is None:
+        return False
+    if isinstance(value, (bool, torch.SymBool)):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
         return bool(value)
-    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0:
-        return bool(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and (value.dtype == torch.bool or not value.is_floating_point() and not value.is_complex()):
+            if not value.is_meta and value.item() in (0, 1):
+                return bool(value.item())
+        raise TypeError(f"{name}: expected a bool, got a tensor of shape {list(value.shape)} and dtype {value.dtype}"
+                        + ("" if value.dim() or value.is_meta else f" holding {value.item()}"))
     if not isinstance(value, float) and hasattr(type(value), "__index__") and operator.index(value) in (0, 1):
         return bool(operator.index(value))
     raise TypeError(f"{name}: expected a bool, got {value!r}")

@@ -80,17 +80,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Not served, with an error naming them: cp_context (kda_aot.cp.chunk_kda_cp is the context-parallel
     op), return_intermediate_states, use_graph (our ops capture in CUDA graphs as they are), chunk sizes
     other than 64, head dims other than 128."""
+    flags = {name: checked_flag(name, value) for name, value in (
+        ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+        ("use_gate_in_kernel", use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+        ("allow_neg_eigval", allow_neg_eigval), ("safe_gate", safe_gate), ("disable_recompute", disable_recompute),
+        ("return_intermediate_states", return_intermediate_states), ("state_v_first", state_v_first),
+        ("use_graph", use_graph))}
     (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = (
-        False if value is None else checked_flag(name, value)  # None: FLA's layers pass Optional[bool]s as they are
-        for name, value in (("output_final_state", output_final_state),
-                            ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-                            ("use_gate_in_kernel", use_gate_in_kernel),
-                            ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-                            ("allow_neg_eigval", allow_neg_eigval), ("safe_gate", safe_gate),
-                            ("disable_recompute", disable_recompute),
-                            ("return_intermediate_states", return_intermediate_states),
-                            ("state_v_first", state_v_first), ("use_graph", use_graph)))
+     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = flags.values()
     mode = _backward_mode(backward, disable_recompute)
     if transpose_state_layout is not None:  # FLA's deprecated name of state_v_first
         if state_v_first:

@@ -103,7 +103,7 @@ def conv1d_silu_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        cu_seqlens: torch.Tensor, form: str) -> torch.Tensor:
     tables, halo = _segments(x, halo, cu_seqlens)
     if tables.n_segments == 0:  # T = 0: every document is empty, nothing to launch (the binding's checks do not run)
-        require_cuda(x, "x", "causal_conv1d_silu")  # a CPU call fails at T = 0 as at T > 0
+        require_cuda(x, "x", "causal_conv1d_silu")  # a CPU call is refused at T = 0 too (at T > 0: the binding)
         return x.new_empty(x.shape)
     return conv1d_silu_forward(x.contiguous(), _f32(weight), _f32(bias), tables.cu, halo, form=form)
 

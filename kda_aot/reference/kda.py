@@ -142,15 +142,16 @@ def _tokens(outs: list, join, H: int, V: int, dtype, device) -> torch.Tensor:
     return join(outs, dim=0)[None]
 
 
-WORK_DTYPES = (torch.float64, torch.float32)
+CHUNKED_DTYPES = (torch.float64, torch.float32)  # the chunked forms' triangular solve has no half-precision kernel
 
 
-def _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype, detach=False) -> tuple:
+def _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype, detach=False, chunked=True) -> tuple:
     """What every entry point of the reference starts with: the checked document bounds, (q, k per value head, v,
     g, beta, the initial state or None) in `dtype` (detached with `detach`), and the scale (K^-0.5 by default;
-    else a finite real number, as the ops take it)."""
-    if dtype not in WORK_DTYPES:  # (the chunked form's triangular solve has no half-precision kernel)
-        raise TypeError(f"dtype: the reference computes in torch.float64 or torch.float32, got {dtype}")
+    else a finite real number, as the ops take it). chunked: the caller is a chunked form (CHUNKED_DTYPES)."""
+    if chunked and dtype not in CHUNKED_DTYPES:
+        raise TypeError(f"dtype: the chunked reference computes in torch.float64 or torch.float32, got {dtype} "
+                        f"(kda_recurrent takes any float dtype)")
     cu = _bounds(cu_seqlens, q.shape[1])
     _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
     HV, K = v.shape[2], q.shape[3]
@@ -168,7 +169,8 @@ def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[fl
     """Token-by-token KDA recurrence. Returns (o [1, T, HV, V], final_state [N, HV, K, V] or None),
     both in `dtype` (q, k [1, T, H, K]; HV a multiple of H). Vectorised over heads, loops over documents and
     tokens."""
-    cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype)
+    cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype,
+                                                  chunked=False)
     H, K, V = v.shape[2], q.shape[3], v.shape[3]
 
     outs, finals = [], []
@@ -192,7 +194,7 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
                 dtype: torch.dtype = torch.float64
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Chunked KDA exactly as docs/math.md. Chunks restart at every document start; a
-    document's last chunk may be short. Same arguments and results as kda_recurrent."""
+    document's last chunk may be short. Same arguments and results as kda_recurrent (dtype fp64 or fp32)."""
     cu, (q, k, v, g, beta, h0), scale = _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype)
     H, K, V = v.shape[2], q.shape[3], v.shape[3]
 

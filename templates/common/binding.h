@@ -120,7 +120,7 @@ inline int expect_one_cuda_device(const std::vector<const Tensor*>& ts) {
     if (!t->present) continue;
     if (t->device < 0)
       fail_value(t->name + ": expected a CUDA tensor (kda_aot's kernels run on a CUDA GPU; on the CPU, kda_aot.reference "
-                           "holds the same math and kda_aot.nn.PackedKDA(backend=\"auto\") runs it)");
+                           "holds the same math in fp64)");
     if (device == -2) {
       device = t->device;
       first = t->name;
