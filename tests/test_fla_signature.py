@@ -95,6 +95,10 @@ def test_the_signature_is_flas():
     kw = inspect.signature(kda_aot.chunk_kda).parameters
     assert kw["A_log"].kind is inspect.Parameter.KEYWORD_ONLY and kw["dt_bias"].kind is inspect.Parameter.KEYWORD_ONLY
     assert kw["scale"].default is None and kw["disable_recompute"].default is False
+    # the switches chunk_kda and FLA's verifier check, in the order chunk_kda unpacks them
+    assert op.FLAGS == ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                        "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "disable_recompute",
+                        "return_intermediate_states", "state_v_first", "use_graph")
 
 
 @pytest.mark.parametrize("HV,lower_bound,neg,v_first", [(4, None, False, False), (8, None, True, True),

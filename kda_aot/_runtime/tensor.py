@@ -83,11 +83,11 @@ def checked_flag(name: str, value) -> bool:
     if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
         return bool(value)
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and (value.dtype == torch.bool or not value.is_floating_point() and not value.is_complex()):
-            if not value.is_meta and value.item() in (0, 1):
-                return bool(value.item())
+        held = None if value.dim() or value.is_meta else value.item()  # (one read: a sync for a GPU tensor)
+        if held in (0, 1) and not (value.is_floating_point() or value.is_complex()):
+            return bool(held)
         raise TypeError(f"{name}: expected a bool, got a tensor of shape {list(value.shape)} and dtype {value.dtype}"
-                        + ("" if value.dim() or value.is_meta else f" holding {value.item()}"))
+                        + ("" if held is None else f" holding {held}"))
     if not isinstance(value, float) and hasattr(type(value), "__index__") and operator.index(value) in (0, 1):
         return bool(operator.index(value))
     raise TypeError(f"{name}: expected a bool, got {value!r}")

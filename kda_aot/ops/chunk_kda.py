@@ -3,6 +3,7 @@ kernels. The input checks that need only shapes, dtypes and devices run here, be
 themselves (custom ops with fake implementations and autograd: torch.compile and CUDA graphs) are in
 chunk_kda_ops.
 """
+import inspect
 import warnings
 
 import torch
@@ -80,14 +81,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Not served, with an error naming them: cp_context (kda_aot.cp.chunk_kda_cp is the context-parallel
     op), return_intermediate_states, use_graph (our ops capture in CUDA graphs as they are), chunk sizes
     other than 64, head dims other than 128."""
-    flags = {name: checked_flag(name, value) for name, value in (
-        ("output_final_state", output_final_state), ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel), ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval), ("safe_gate", safe_gate), ("disable_recompute", disable_recompute),
-        ("return_intermediate_states", return_intermediate_states), ("state_v_first", state_v_first),
-        ("use_graph", use_graph))}
     (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = flags.values()
+     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = checked_flags(locals())
     mode = _backward_mode(backward, disable_recompute)
     if transpose_state_layout is not None:  # FLA's deprecated name of state_v_first
         if state_v_first:
@@ -126,6 +121,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if state_v_first and final is not None:
         final = final.transpose(-1, -2)
     return o, final
+
+
+# FLA's switches among chunk_kda's parameters (those whose default is False), in the signature's order: each a bool
+# (checked_flag), here and in the FLA backend's verifier.
+FLAGS = tuple(name for name, p in inspect.signature(chunk_kda).parameters.items() if p.default is False)
+
+
+def checked_flags(given: dict) -> tuple:
+    """The FLAGS of a chunk_kda call's arguments `given`, each checked, in FLAGS' order (a function of its own:
+    torch.compile traces it, not a generator over the caller's locals)."""
+    return tuple(checked_flag(name, given[name]) for name in FLAGS)
 
 
 def _backward_mode(backward, disable_recompute) -> str:
