@@ -170,8 +170,10 @@ def test_the_layer_call_is_flas_naive(reference_op, gen, H, HV, lower_bound, neg
     through FLA's own torch code (fla_naive_call, fp32): the output, the final state and every gradient. FLA's
     side runs in fp32: its rounding over <= 130 recurrent steps is 0.5-2.5e-7 of each output's norm here, so the
     bound is 2e-6; the bf16 leaves' (q, k, v) gradients are rounded to bf16 on our side (autograd rounds a bf16
-    leaf's gradient: 2^-9 at most, ~1.7e-3 of the norm measured), so 4e-3. A wrong head map, gate, transpose or
-    scale is off by O(1e-2) or more (checked below for the head map)."""
+    leaf's gradient: 2^-9 at most, ~1.7e-3 of the norm measured), so 4e-3. dA_log is one fp32 sum a head of ~26 k
+    products on FLA's side, whose terms can cancel: over 32 seeds x these 4 cases its error was 1.7e-7 in the
+    median and 2.55e-6 at the worst (a head's sum 0.29 from terms of both signs), so 2e-5. A wrong head map, gate,
+    transpose or scale is off by O(1e-2) or more (checked below for the head map)."""
     x = fla_inputs(gen, [70, 1, 130], H, HV)
     leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "b", "h0", "A_log", "dt_bias")}
     o, s = kda_aot.chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["b"], None, leaves["h0"], True,
@@ -182,7 +184,7 @@ def test_the_layer_call_is_flas_naive(reference_op, gen, H, HV, lower_bound, neg
     eo, es, egrads = fla_naive_call(x, lower_bound=lower_bound, neg=neg, v_first=v_first)
     assert rel_rms(o, eo) < 2e-6 and rel_rms(s, es) < 2e-6, (rel_rms(o, eo), rel_rms(s, es))
     for n, want in egrads.items():
-        bound = 4e-3 if n in ("q", "k", "v") else 2e-6
+        bound = 4e-3 if n in ("q", "k", "v") else 2e-5 if n == "A_log" else 2e-6
         assert rel_rms(leaves[n].grad, want) < bound, f"d{n}: {rel_rms(leaves[n].grad, want):.2e}"
     if 1 < H < HV:  # the head map is what this call checks, not a formality: tiled heads miss by far
         to, ts, _ = fla_naive_call(x, lower_bound=lower_bound, neg=neg, v_first=v_first, heads_map="tile")
