@@ -39,8 +39,8 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
 
 from ._runtime import registry
 from ._runtime.packing import host_copy
-from ._runtime.tensor import boundaries_tensor, check_cu_seqlens, checked_flag, is_real
-from .ops.chunk_kda import FLAGS, chunk_kda
+from ._runtime.tensor import boundaries_tensor, check_cu_seqlens, is_real
+from .ops.chunk_kda import checked_flags, chunk_kda
 from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
 from .ops.gate import GATE_PARAM_DTYPES
 from .schedule.kda import HEAD_DIM, MAX_HEADS
@@ -69,12 +69,12 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
         return False, f"keywords kda_aot does not take: {sorted(unknown)}"
     if kwargs.get("chunk_size", 64) != 64:
         return False, f"chunk_size {kwargs['chunk_size']} (kda_aot: 64)"
-    given = locals()
-    for name in FLAGS:  # FLA reads a flag by its truthiness; kda_aot's op refuses what is not a bool
-        try:
-            checked_flag(name, given[name])
-        except TypeError:
-            return False, f"{name} of type {type(given[name]).__name__} (kda_aot: a bool)"
+    try:  # FLA reads a flag by its truthiness; kda_aot's op refuses what is not a bool
+        checked_flags(output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, safe_gate, disable_recompute, return_intermediate_states, state_v_first,
+                      use_graph)
+    except TypeError as refused:
+        return False, f"{refused} (kda_aot's op takes a bool)"
     if cp_context is not None or return_intermediate_states or use_graph or max_num_seqs is not None:
         return False, "cp_context / return_intermediate_states / use_graph are FLA's own"
     if q.dim() != 4 or v.dim() != 4 or q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:

@@ -95,10 +95,25 @@ def test_the_signature_is_flas():
     kw = inspect.signature(kda_aot.chunk_kda).parameters
     assert kw["A_log"].kind is inspect.Parameter.KEYWORD_ONLY and kw["dt_bias"].kind is inspect.Parameter.KEYWORD_ONLY
     assert kw["scale"].default is None and kw["disable_recompute"].default is False
-    # the switches chunk_kda and FLA's verifier check, in the order chunk_kda unpacks them
+    # the switches chunk_kda and FLA's verifier check, in the order chunk_kda passes and unpacks them
     assert op.FLAGS == ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                         "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "disable_recompute",
                         "return_intermediate_states", "state_v_first", "use_graph")
+    source = " ".join(inspect.getsource(kda_aot.chunk_kda).split())
+    listed = ", ".join(op.FLAGS)
+    assert f"({listed}) = checked_flags( {listed})" in source
+
+
+def test_each_flag_is_checked_under_its_own_name():
+    """Every one of FLAGS given a string is refused naming that flag (checked_flags pairs values with names by
+    position), and checked_flags refuses a call with a flag missing."""
+    x = inputs([32], 2, 2, "flag-names")
+    q, k, v, g, b = (x[n] for n in ("q", "k", "v", "g", "b"))
+    for name in op.FLAGS:
+        with pytest.raises(TypeError, match=f"^{name}: expected a bool, got 'maybe'$"):
+            kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=x["cu"], **{name: "maybe"})
+    with pytest.raises(TypeError, match="checked_flags: expected the 10 values"):
+        op.checked_flags(*([False] * 9))
 
 
 @pytest.mark.parametrize("HV,lower_bound,neg,v_first", [(4, None, False, False), (8, None, True, True),

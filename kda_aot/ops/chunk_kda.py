@@ -82,7 +82,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     op), return_intermediate_states, use_graph (our ops capture in CUDA graphs as they are), chunk sizes
     other than 64, head dims other than 128."""
     (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = checked_flags(locals())
+     safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph) = checked_flags(
+        output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        safe_gate, disable_recompute, return_intermediate_states, state_v_first, use_graph)
     mode = _backward_mode(backward, disable_recompute)
     if transpose_state_layout is not None:  # FLA's deprecated name of state_v_first
         if state_v_first:
@@ -128,10 +130,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 FLAGS = tuple(name for name, p in inspect.signature(chunk_kda).parameters.items() if p.default is False)
 
 
-def checked_flags(given: dict) -> tuple:
-    """The FLAGS of a chunk_kda call's arguments `given`, each checked, in FLAGS' order (a function of its own:
-    torch.compile traces it, not a generator over the caller's locals)."""
-    return tuple(checked_flag(name, given[name]) for name in FLAGS)
+def checked_flags(*values) -> tuple:
+    """A chunk_kda call's FLAGS, given in FLAGS' order, each checked (values, not the caller's locals(): dynamo
+    before torch 2.13 cannot trace locals())."""
+    if len(values) != len(FLAGS):
+        raise TypeError(f"checked_flags: expected the {len(FLAGS)} values of {FLAGS}, got {len(values)}")
+    return tuple(checked_flag(name, value) for name, value in zip(FLAGS, values))
 
 
 def _backward_mode(backward, disable_recompute) -> str:
