@@ -1,6 +1,6 @@
 """A/B of kernel forms on one pack, interleaved (CUDA-event medians), the rest of the call the same:
-  replay: a replay training step (chunk_kda forward + backward) with the two walks side by side
-         (default) and one after the other (Options.replay_overlap off);
+  replay: an unpipelined replay training step (chunk_kda forward + backward, Options.pipeline off, as CP's
+         replay) with the two walks side by side (default) and one after the other (Options.replay_overlap off);
   gate:  kda_bwd_gate forms (GATE_FORMS: split_staged (shipped), full) timing the whole chunk_kda_bwd;
   pipeline: the forward (chunk_kda_fwd, output and final state) and training steps (saved, replay)
          pipelined (a segment group's walks beside the later groups' chunk stage; two rules for the
@@ -53,8 +53,9 @@ def replay_ab(q, k, v, g, beta, cu, pack, H):
         for x in leaves:
             x.grad = None
         chunk_kda(*leaves, cu_seqlens=cu, backward="replay")[0].backward(do)
-    ms = interleaved({"walks side by side": with_options(step, replay_overlap=True),
-                      "one after the other": with_options(step, replay_overlap=False)}, iters=7, warmup=1)
+    ms = interleaved({"walks side by side": with_options(step, pipeline=False, replay_overlap=True),
+                      "one after the other": with_options(step, pipeline=False, replay_overlap=False)},
+                     iters=7, warmup=1)
     print(f"{pack} H={H} replay step: " + ", ".join(f"{f} {t:.2f} ms" for f, t in ms.items()))
 
 

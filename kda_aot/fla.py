@@ -76,7 +76,7 @@ def verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
     except TypeError as refused:
         return False, f"{refused} (kda_aot's op takes a bool)"
     if cp_context is not None or return_intermediate_states or use_graph or max_num_seqs is not None:
-        return False, "cp_context / return_intermediate_states / use_graph are FLA's own"
+        return False, "cp_context / return_intermediate_states / use_graph / max_num_seqs are FLA's own"
     if q.dim() != 4 or v.dim() != 4 or q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return False, f"head dims {q.shape[-1]}, {v.shape[-1]} (kda_aot: 128)"
     if v.shape[2] > MAX_HEADS or v.shape[2] % q.shape[2]:

@@ -27,7 +27,7 @@ class Options:
     # the chunk stage a segment group at a time beside the walks (False: one launch, then the walks;
     # tests/test_graph_gpu.py, test_kda_fwd_gpu.py)
     pipeline: bool = True
-    # the replay backward's forward walks beside its backward walks, and the last group in pieces
+    # the unpipelined replay's (pipeline off, and CP's) forward walks beside its backward walks
     # (test_kda_bwd_gpu.py::test_replay_walks_side_by_side_are_bitwise_the_sequential_replay, test_cp_cuda.py)
     replay_overlap: bool = True
     # at most this many heads per replay-backward group (0: as many as memory holds)

@@ -351,7 +351,9 @@ def test_the_gate_floor_is_the_kernels():
 def test_summary_pieces_cost_comes_from_the_gpu_table(monkeypatch, tmp_path):
     """The cost of an extra summary piece is the GPU table's pipeline.compose_steps_per_piece: a costly
     composition keeps a fragment whole, a free one cuts it as far as the SMs allow."""
-    assert fit.compose_steps_per_piece() == 3.0            # the H200 table (without a GPU the fit rule reads it too)
+    # the H200 table's own entry (without a GPU the fit rule reads that table too), not the default for a GPU without one
+    assert fit._table(fit.params_file(fit.MEASURED_GPU))["pipeline"]["compose_steps_per_piece"] == 3.0
+    assert fit.compose_steps_per_piece() == 3.0
     for cost, want in ((1e6, (1,)), (0.0, None)):
         params = tmp_path / f"fit_params_{cost}.json"
         params.write_text(f'{{"programs": {{}}, "pipeline": {{"compose_steps_per_piece": {cost}}}}}')

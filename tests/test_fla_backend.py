@@ -125,6 +125,7 @@ def test_the_verifier_declines_what_kda_aot_does_not_serve(fake_fla, monkeypatch
             (base, {"cp_context": object()}, "cp_context"),
             (base, {"return_intermediate_states": True}, "return_intermediate_states"),
             (base, {"use_graph": True}, "use_graph"),
+            (base, {"max_num_seqs": 4}, "max_num_seqs are FLA's own"),
             (base, {"output_final_state": "no"}, "output_final_state: expected a bool, got 'no' (kda_aot's op takes a bool)"),
             (base, {"use_qk_l2norm_in_kernel": 1.0}, "use_qk_l2norm_in_kernel: expected a bool, got 1.0"),
             (base, {"some_new_flag": 1}, "keywords kda_aot does not take: ['some_new_flag']"),

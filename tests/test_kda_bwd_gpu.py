@@ -341,21 +341,22 @@ def test_batched_input_and_qk_l2norm_follow_fla_conventions():
 
 
 def test_replay_walks_side_by_side_are_bitwise_the_sequential_replay(kda_options):
-    """The replay runs its forward walk on a side stream beside the backward walk; with
-    Options.replay_overlap off it runs them one after the other: every gradient bitwise the same."""
+    """The unpipelined replay (Options.pipeline off: replay_walks, as CP's replay) runs its forward walk on a side
+    stream beside the backward walk; with Options.replay_overlap off it runs them one after the other: every
+    gradient bitwise the same, and the same as the pipelined replay's."""
     from kda_aot import chunk_kda
     lens, H = PACKS["long"], 3
     q, k, v, g, beta, cu, h0 = make(lens, H, "rand", rng("replay-overlap"), True)
     dout = torch.randn(q.shape, device="cuda", generator=rng("replay-overlap-do")).to(torch.bfloat16)
     grads = []
-    for overlap in ("1", "0"):
-        kda_options(replay_overlap=overlap == "1")
+    for pipeline, overlap in ((False, True), (False, False), (True, True)):
+        kda_options(pipeline=pipeline, replay_overlap=overlap)
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, _ = chunk_kda(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], backward="replay")
         o.backward(dout)
         grads.append([x.grad for x in leaves])
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    for side_by_side, one_after_the_other, pipelined in zip(*grads):
+        assert torch.equal(side_by_side, one_after_the_other) and torch.equal(side_by_side, pipelined)
 
 
 @pytest.mark.parametrize("lens", [[3000, 2200], [1, 2000, 5, 1100]])

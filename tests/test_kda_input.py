@@ -113,7 +113,8 @@ def test_cpu_tensors_are_refused_last():
         chunk_kda_fwd(q, k, v, g, b, cu_seqlens=cu)
     for norm in (False, True):  # the op's: named, with where to go on the CPU (with the norm, its kernel is first)
         with pytest.raises(ValueError, match="q: chunk_kda runs its kernels on a CUDA GPU, got a tensor on cpu; on "
-                                             "the CPU, kda_aot.reference.kda_chunked is the same math"):
+                                             r"the CPU, kda_aot.reference.kda_chunked is the same math in fp64, on one "
+                                             r"packed sequence \(B sequences .* with K-first states"):
             kda_aot.chunk_kda(q, k, v, g, b, cu_seqlens=cu, use_qk_l2norm_in_kernel=norm)
     empty = [x[:, :0] for x in (q, k, v, g, b)]  # no token: nothing to launch, and still the same refusal
     with pytest.raises(ValueError, match="q: chunk_kda runs its kernels on a CUDA GPU, got a tensor on cpu"):

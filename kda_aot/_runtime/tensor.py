@@ -38,10 +38,14 @@ def describe(t: torch.Tensor | None, name: str):
 
 # Where each op's math runs on the CPU, for the refusal below.
 CPU_COUNTERPARTS = {
-    "chunk_kda": "kda_aot.reference.kda_chunked is the same math in fp64 (with use_qk_l2norm_in_kernel, "
-                 "use_gate_in_kernel or use_beta_sigmoid_in_kernel, apply kda_aot.reference.l2norm, kda_gate(g, A_log, "
-                 "dt_bias, lower_bound) or beta_sigmoid(beta, allow_neg_eigval) to its inputs first)",
-    "causal_conv1d_silu": "kda_aot.reference.conv1d_silu is the same math in fp64",
+    "chunk_kda": "kda_aot.reference.kda_chunked is the same math in fp64, on one packed sequence (B sequences of T "
+                 "tokens: x.reshape(1, B * T, ...) with cu_seqlens = arange(B + 1) * T) with K-first states "
+                 "[N, HV, K, V] (with state_v_first, pass initial_state.transpose(-1, -2) and transpose the final "
+                 "state back); with use_qk_l2norm_in_kernel, use_gate_in_kernel or use_beta_sigmoid_in_kernel, "
+                 "apply kda_aot.reference.l2norm, kda_gate(g, A_log, dt_bias, lower_bound) or beta_sigmoid(beta, "
+                 "allow_neg_eigval) to its inputs first",
+    "causal_conv1d_silu": "kda_aot.reference.conv1d_silu is the same math in fp64 (with l2norm, apply "
+                          "kda_aot.reference.l2norm to y.unflatten(-1, (-1, 128)) after it)",
     "l2norm": "kda_aot.reference.l2norm is the same math",
     "PackedKDA(backend='cuda')": "PackedKDA(backend='auto') runs the same module on kda_aot.reference",
 }

@@ -1,8 +1,8 @@
 """The local primitives a context-parallel KDA backend provides (the seam for the CUDA kernels).
 
-The CP op (ops.py) owns the plan, the exchanges, the composition and the autograd bookkeeping;
-a backend only computes on this rank's local tensors, segment by segment, with given entering
-states:
+The CP forward and backward (collective.py, wrapped by ops.py) own the plan, the exchanges, the composition and
+the autograd bookkeeping; a backend only computes on this rank's local tensors, segment by segment, with given
+entering states:
 
     summary(k, v, g, beta, lo, hi)            -> (M [H, K, K], B [H, K, V]) in state_dtype,
                                                  of the local tokens [lo, hi) (one fragment)

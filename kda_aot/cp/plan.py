@@ -1,6 +1,6 @@
 """Context-parallel plan: who holds which tokens, and the fragment table (docs/cp.md).
 
-One implementation used by every path (reference, gloo tests, the CUDA backend later). A plan
+One implementation used by every path (the reference, the gloo tests, the CUDA backend). A plan
 is a pure function of (cu_seqlens, world size, layout, chunk size); the rank only selects which
 part of it is "local". Every rank can therefore compute the whole fragment table without
 communicating, which is what lets the exchanges pad and unpack without a size round trip.
@@ -33,13 +33,13 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .._runtime.packing import CHUNK
 from .._runtime.tensor import boundaries_tensor, check_cu_seqlens
 from . import keys
 
 __all__ = ["LAYOUTS", "CHUNK", "Fragment", "CPPlan", "make_plan"]
 
 LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
-CHUNK = 64
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ def _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_
 
 def _qk_l2norm(q, k):
     """use_qk_l2norm_in_kernel: q and k normalised per head by the l2norm op, once: its output is what the
-    forward, the replay and the backward read (normalising inside each of them measured slower: docs/forward.md).
+    forward, the replay and the backward read (not inside each of them: docs/forward.md says why).
     The norm's kernel is the op's first: the refusal of CPU tensors comes here, naming q, after every other check."""
     require_cuda(q, "q", "chunk_kda")
     return l2norm(q), l2norm(k)
@@ -216,7 +216,7 @@ def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, *gate_args[:2]))
     fwd = chunk_kda_fwd_saved_op if backward == "saved" and wants_grad else chunk_kda_fwd_op
     # a keyword only where the call needs it: the plain call passes the op its positional arguments alone
-    kwargs = {"beta_kind": beta_kind} if beta_kind != kda.BETA_PLAIN else {}
+    kwargs = kda.beta_launch_args(beta_kind)
     if wants_grad and backward != "saved":  # the replay's forward keeps tril(Aqk) and inv_pack (chunk_kda_ops.KEPT)
         kwargs["keep"] = True
     o, final = fwd(q, k, v, g, beta, initial_state, cu, scale, bool(output_final_state), *gate_args, **kwargs)[:2]

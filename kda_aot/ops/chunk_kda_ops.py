@@ -47,8 +47,8 @@ def _state_rows(x: Optional[Tensor], n_docs: int, H: int, name: str):
         raise ValueError(f"{name}: expected shape [{n_docs}, {H}, 128, 128], got {list(x.shape)}")
 
 
-def _no_state(q: Tensor) -> Tensor:
-    return q.new_empty((0,), dtype=torch.float32)
+def _no_state(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
 
 
 def _gate_of(A_log: Optional[Tensor], dt_bias: Optional[Tensor], gate_kind: int, lower_bound: float):
@@ -123,18 +123,17 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_st
 
 def _fake_forward(v, initial_state, cu_seqlens, output_final_state, save, keep=False):
     """Shapes from v (H: the value heads)."""
-    q = v
-    T, H, N = q.shape[1], q.shape[2], cu_seqlens.shape[0] - 1
-    o = q.new_empty(q.shape, dtype=torch.bfloat16)
-    final = q.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(q)
+    T, H, N = v.shape[1], v.shape[2], cu_seqlens.shape[0] - 1
+    o = v.new_empty(v.shape, dtype=torch.bfloat16)
+    final = v.new_empty((N, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32) if output_final_state else _no_state(v)
     if keep:
-        return (o, final, *(q.new_empty((1, T, H, CHUNK), dtype=torch.bfloat16) for _ in KEPT))
+        return (o, final, *(v.new_empty((1, T, H, CHUNK), dtype=torch.bfloat16) for _ in KEPT))
     if not save:
-        return o, final, _no_state(q), _no_state(q)
+        return o, final, _no_state(v), _no_state(v)
     rows = max_chunks(T, N)
-    token = lambda width: q.new_empty((1, T, H, width), dtype=torch.bfloat16)  # noqa: E731
-    shapes = {"gamma": q.new_empty((rows, H, HEAD_DIM), dtype=torch.float32),
-              "tape": q.new_empty((rows, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32),
+    token = lambda width: v.new_empty((1, T, H, width), dtype=torch.bfloat16)  # noqa: E731
+    shapes = {"gamma": v.new_empty((rows, H, HEAD_DIM), dtype=torch.float32),
+              "tape": v.new_empty((rows, H, HEAD_DIM, HEAD_DIM), dtype=torch.float32),
               "aqk": token(CHUNK), "akk_inv": token(CHUNK)}
     return (o, final, *(shapes[name] if name in shapes else token(HEAD_DIM) for name in SAVED))
 
@@ -206,12 +205,12 @@ def _empty_backward(q, k, v, g, beta, tables, initial_state, dfinal_state, gate)
             torch.empty_like(beta), dh0, da_log, ddt_bias)
 
 
-def _zero_gate_grads(q, gate):
-    """dA_log, ddt_bias of a pack with no token: zeros ([0] without the gate's activation); q: v (its heads)."""
+def _zero_gate_grads(v, gate):
+    """dA_log, ddt_bias of a pack with no token: zeros over v's heads ([0] without the gate's activation)."""
     if gate is None:
-        return _no_state(q), _no_state(q)
-    return (torch.zeros(q.shape[2], device=q.device, dtype=torch.float32),
-            torch.zeros(q.shape[2], HEAD_DIM, device=q.device, dtype=torch.float32))
+        return _no_state(v), _no_state(v)
+    return (torch.zeros(v.shape[2], device=v.device, dtype=torch.float32),
+            torch.zeros(v.shape[2], HEAD_DIM, device=v.device, dtype=torch.float32))
 
 
 @torch.library.custom_op("kda_aot::chunk_kda_bwd", mutates_args=(), tags=PLANNED_FROM_HOST)
@@ -306,8 +305,7 @@ def _backward(ctx, do, dfinal_state, *_):
     if dfinal_state is not None and dfinal_state.numel() == 0:
         dfinal_state = None
     gate = (A_log, dt_bias, ctx.gate_kind, ctx.lower_bound)
-    # a keyword only where the call needs it: beta's activation
-    kwargs = {"beta_kind": ctx.beta_kind} if ctx.beta_kind != kda.BETA_PLAIN else {}
+    kwargs = kda.beta_launch_args(ctx.beta_kind)  # a keyword only where the call needs it: beta's activation
     if len(context) == len(SAVED):
         grads = chunk_kda_bwd_saved_op(q, k, v, g, beta, h0, cu_seqlens, ctx.scale, *context, do, dfinal_state, *gate,
                                        **kwargs)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .._runtime.tensor import is_real
 from ..reference.activations import beta_sigmoid, kda_gate
-from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2
+from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2, GATE_SIGMOID, GATE_SOFTPLUS
 
 # FLA's gate reads A_log and dt_bias as fp32 whatever their float dtype; so do the kernels (kernel_gate).
 GATE_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -67,7 +67,7 @@ def kernel_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], l
     HV, K = g.shape[-2], g.shape[-1]
     a = None if A_log is None else A_log.float().reshape(HV)
     dt = None if dt_bias is None else dt_bias.float().reshape(HV, K)
-    kind = 1 if lower_bound is None else 2
+    kind = GATE_SOFTPLUS if lower_bound is None else GATE_SIGMOID
     raw = g if g.dtype == torch.bfloat16 else g.float()
     return raw, (a, dt, kind, 0.0 if lower_bound is None else float(lower_bound))
 

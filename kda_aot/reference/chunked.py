@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .kda import (CuSeqlens, _check_kda_inputs, _chunk_akk, _decay_matrix, _prepared, _to_head_first, chunk_prepare,
-                  per_value_head, sum_value_head_groups)
+                  chunk_step, per_value_head, sum_value_head_groups)
 
 # ============================================================================ KDA explicit backward
 #
@@ -191,11 +191,8 @@ def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
             L = _chunk_akk(Kc, p["Gam"], Bc)
             eye = torch.eye(C, **zk).expand(H, C, C)
             Ainv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
-            Vp = p["U"] - p["W"] @ S                                            # same ops as
-            Qg = Qc * torch.exp(p["Gam"])                                       # kda_chunked
-            Oc = scale * (Qg @ S + p["Aqk"] @ Vp)
             sv["S"][c] = S
-            S = torch.exp(p["gam"])[:, :, None] * S + p["Kg"].transpose(1, 2) @ Vp
+            Vp, Qg, Oc, S = chunk_step(p, Qc, S, scale)                         # kda_chunked's step
             if c1 == cu[doc + 1]:
                 sv["final_state"][doc] = S
             sv["gam"][c] = p["gam"]

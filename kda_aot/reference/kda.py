@@ -188,6 +188,14 @@ def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[fl
     return o, (torch.stack(finals, dim=0) if output_final_state else None)
 
 
+def chunk_step(p: dict, Qc: torch.Tensor, S: torch.Tensor, scale: float) -> tuple:
+    """One chunk of the walk from chunk_prepare's p (head-first, [H, C, *]) and the state S [H, K, V] at its start:
+    (V' = U - W S, Qg = Q e^Gam, O = scale (Qg S + Aqk V'), the next state e^gam S + Kg^T V'), docs/math.md."""
+    Vp = p["U"] - p["W"] @ S
+    Qg = Qc * torch.exp(p["Gam"])
+    return Vp, Qg, scale * (Qg @ S + p["Aqk"] @ Vp), torch.exp(p["gam"])[:, :, None] * S + p["Kg"].transpose(1, 2) @ Vp
+
+
 def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
                 initial_state: Optional[torch.Tensor] = None,
                 output_final_state: bool = False, chunk_size: int = 64,
@@ -208,10 +216,7 @@ def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[floa
             Vc = _to_head_first(v, c0, c1)
             Gc = _to_head_first(g, c0, c1)
             Bc = beta[0, c0:c1].transpose(0, 1)
-            p = chunk_prepare(Kc, Vc, Gc, Bc, q=Qc)
-            Vp = p["U"] - p["W"] @ S                                            # V' = U - W S
-            Oc = scale * ((Qc * torch.exp(p["Gam"])) @ S + p["Aqk"] @ Vp)       # [H, C, V]
-            S = torch.exp(p["gam"])[:, :, None] * S + p["Kg"].transpose(1, 2) @ Vp
+            _, _, Oc, S = chunk_step(chunk_prepare(Kc, Vc, Gc, Bc, q=Qc), Qc, S, scale)
             outs.append(Oc.transpose(0, 1))                                     # [C, H, V]
         finals.append(S)
     o = _tokens(outs, torch.cat, H, V, dtype, q.device)

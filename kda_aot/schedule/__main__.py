@@ -45,7 +45,8 @@ def _indices(ap, text: str, n: int) -> tuple:
 LEGEND = """
 SMs: the budget a group's walks are planned on; the fit rule's forms run one CTA per (segment, head) (full),
 two (split) or four (quarter). The replay runs each group's forward and backward walks at the same time, on
-half the SMs each. Groups are the launch groups of consecutive segments, in pack order."""
+half the SMs each. Groups are the launch groups of consecutive segments, numbered in launch order (the longest
+walks first; under CP the senders' segments before them)."""
 
 
 def main(argv=None):
@@ -78,7 +79,8 @@ def main(argv=None):
                  replay_plan(chains, heads, args.sms, pieced=True))
     else:
         plans = forward_plan(chains, heads, args.sms), replay_plan(chains, heads, args.sms)
-    for plan, programs in zip(plans, (("kda_fwd_walk",), ("kda_fwd_walk", "kda_bwd_walk"))):
+    for plan in plans:
+        programs = [program for program, _ in plan.walk_sms]
         print(plan.explain())
         for g, (a, b) in enumerate(plan.groups):
             if all(s in plan.deferred for s in range(a, b)):

@@ -365,8 +365,8 @@ def replay_walks_pipelined(q, k, v, g, beta, h0, cu_seqlens, scale, do, dht, ski
     each group's forward walk (tape, V') and backward walk (dtape, d_initial_state) on two side streams,
     planned on half the SMs as in replay_walks. Returns what replay_walks returns (with bwd_chunk, a third value
     below); bitwise the same. (kda_bwd_chunk runs behind the walks only after the last chunk stage, bwd_chunk
-    below: launched as each group's walks ended, it competed with the later groups' chunk stages, and the step is
-    bound by the sum of its kernels' SM time, docs/backward.md.) skip_bwd (context parallelism):
+    below, not beside the later groups' chunk stages: the step is bound by the sum of its kernels' SM time,
+    docs/backward.md.) skip_bwd (context parallelism):
     segments whose backward walk is left out (their dtape and d_initial_state rows stay unwritten):
     the caller walks them again anyway, with exit-state gradients it does not have yet.
     pieced (context parallelism): the longest chain's chunk stage a piece at a time (grouping.pieced_group),

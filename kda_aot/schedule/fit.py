@@ -144,8 +144,8 @@ def measured_rho() -> dict:
             for p, v in progs.items()}
 
 
-# launches of one walk (one stream each): the split run and one full run; three ran slower than uniform full
-# on the H200 though predicted faster (docs/fit_rule.md, "Tried and did not pay")
+# launches of one walk (one stream each): the split run and one full run; a third's launch and fork cost more
+# than the rule's model prices (docs/fit_rule.md)
 MAX_RUNS = 2
 MIXED_GAIN = 0.95  # a mixed plan (extra launches, a stream fork and join) must beat uniform by 5 %
 
@@ -363,7 +363,7 @@ def summary_pieces(chain_lengths: tuple, heads: int, sms: int) -> tuple:
         piece = max(MIN_SUMMARY_PIECE, -(-max(lengths) // p))
         counts = tuple(max(1, -(-n // piece)) for n in lengths)
         chains = [float(len_) for n, c in zip(lengths, counts) for len_ in grouping.piece_lengths(n, c)]
-        span = (makespan([x for _ in range(heads) for x in chains], sms)
+        span = (makespan(launch_order(chains, heads), sms)
                 + compose * (sum(counts) - len(lengths)))
         if best_span is None or span < best_span:
             best, best_span = counts, span

@@ -23,8 +23,8 @@ from typing import Optional, Tuple
 from . import fit, grouping
 from .. import options
 
-# The walk programs each plan kind runs beside its chunk stage, and how many walks share the GPU.
-_WALKS = {"forward": ("kda_fwd_walk",), "replay": ("kda_fwd_walk", "kda_bwd_walk")}
+# The walk programs a replay plan runs beside its chunk stage, at the same time (a forward plan: kda_fwd_walk alone).
+_REPLAY_WALKS = ("kda_fwd_walk", "kda_bwd_walk")
 
 
 @dataclass(frozen=True)
@@ -459,7 +459,7 @@ def _replay_plan(lengths: tuple, heads: int, sms: int, pieced: bool, skip_bwd: t
         pieces = Pieces(chosen[0], tuple(chosen[1]), order, walks_ready(order, n))
     pieced = -1 if pieces is None else pieces.group
     walk_sms = tuple((prog, tuple(fit.pipelined_walk_sms(prog, lengths, heads, half, i, 2, (), pieced, bwd_chunk)
-                                  for i in range(len(groups)))) for prog in _WALKS["replay"])
+                                  for i in range(len(groups)))) for prog in _REPLAY_WALKS)
     plan = PipelinePlan("replay", lengths, heads, half, groups, _launch_order(groups, pieces, (), pieces is not None),
                         pieces, walk_sms, skip_bwd=skip_bwd, bwd_chunk=bwd_chunk,
                         pools=("replay/pipeline-fwd", "replay/pipeline-bwd"))
