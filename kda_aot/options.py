@@ -38,7 +38,7 @@ class Options:
     # context parallelism: the pipelined orders, the summaries batched (test_cp_cuda_ranks.py)
     cp_pipeline: bool = True
     cp_batched_summaries: bool = True
-    # context parallelism, not yet measured on two GPUs: the exchange beside the walks, and the
+    # context parallelism, off until a two-GPU A/B decides them (docs/cp.md): the exchange beside the walks, and the
     # last group of the senders in pieces
     cp_exchange_beside: bool = False
     cp_piece_senders: bool = False

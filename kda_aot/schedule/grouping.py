@@ -86,7 +86,7 @@ def pieced_group(chain_lengths, first: tuple = (), deferred: tuple = (), cp: boo
     whole chunk stage (docs/cp.md); its first piece launches ahead of everything (plan._launch_order). A
     sent chain (first) too, also when it is the rank's only one, so that the other rank does not wait
     at the exchange for that chain's whole chunk stage (the CP replay, which sends nothing, then pieces
-    a rank's only chain too) - with Options.cp_piece_senders, off until measured on two GPUs."""
+    a rank's only chain too) - with Options.cp_piece_senders (off: docs/cp.md says what decides it)."""
     lengths = [int(n) for n in chain_lengths]
     groups = plan_pipeline(lengths, first)
     if not cp:
