@@ -4,6 +4,8 @@ Runs without a GPU: Python checks the shapes users pass, the bindings re-check d
 contiguity and alignment of every tensor before the device (CPU tensors reach every check; the
 device check is the last one).
 """
+import re
+
 import pytest
 import torch
 
@@ -95,6 +97,41 @@ def test_grouped_value_heads_must_divide():
         good_call = dict(base, v=v4, g=g4, beta=b4, **outputs(4))
         with pytest.raises(ValueError, match="expected a CUDA tensor"):
             lib.launch({n: describe(x, n) for n, x in good_call.items()}, 1.0, 0)
+
+
+SHAPE_CASES = [  # (mutation of good()'s q, k, v, g, beta; the message every entry point gives)
+    ("v heads", lambda q, k, v, g, b: (q, k, *(torch.cat([x, x[:, :, :1]], dim=2) for x in (v, g, b))),
+     r"v: its heads \(HV = 3\) must be a multiple of q's and k's \(H = 2\)"),
+    ("g shape", lambda q, k, v, g, b: (q, k, v, g[..., :64], b), r"g: expected shape \[1, 70, 2, 128\] \(\[B, T, HV, K\]\)"),
+    ("beta shape", lambda q, k, v, g, b: (q, k, v, g, b[..., :1]), r"beta: expected shape \[1, 70, 2\]"),
+    ("k shape", lambda q, k, v, g, b: (q, k[:, :69], v, g, b), r"k: expected shape \[1, 70, 2, 128\] \(as q\)"),
+    ("q rank", lambda q, k, v, g, b: (q[0], k, v, g, b), r"q: expected shape \[(1|B), T, H, (128|K)\]"),
+    ("beta type", lambda q, k, v, g, b: (q, k, v, g, b.tolist()), "beta: expected a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,match", SHAPE_CASES, ids=[c[0] for c in SHAPE_CASES])
+def test_every_entry_point_names_a_shape_the_same_way(name, mutate, match):
+    """One check of the KDA inputs' shapes (check_kda_shapes): the public op, the programs' caller, the op with
+    the gate activated in torch, the fp64 reference and the CP op's per-rank validation give the same message."""
+    from kda_aot import reference
+    from kda_aot.cp import make_plan
+    from kda_aot.cp.ops import _validate
+    q, k, v, g, b, cu = good()
+    args = mutate(q, k, v, g, b)
+    with pytest.raises((TypeError, ValueError), match=match):
+        kda_aot.chunk_kda(*args, cu_seqlens=cu)
+    with pytest.raises((TypeError, ValueError), match=match):
+        chunk_kda_fwd(*args, cu_seqlens=cu)
+    raw = (*args[:3], args[3] if name != "g shape" else g[..., :64].neg(), args[4])
+    with pytest.raises((TypeError, ValueError), match=match):
+        kda_aot.chunk_kda(*raw, cu_seqlens=cu, use_gate_in_kernel=True, A_log=torch.zeros(2, device=DEV))
+    fp64 = [x.double() if isinstance(x, torch.Tensor) else x for x in args]
+    with pytest.raises((TypeError, ValueError), match=match):
+        reference.kda_chunked(*fp64, cu_seqlens=cu.cpu())
+    with pytest.raises((TypeError, ValueError), match=match):
+        reference.kda_recurrent(*fp64, cu_seqlens=cu.cpu())
+    assert re.search(match, _validate(*args, None, make_plan(cu.cpu(), "contiguous", world_size=1, rank=0)))
 
 
 def test_initial_state_shape_and_dtype():

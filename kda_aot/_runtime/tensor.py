@@ -133,6 +133,47 @@ def boundaries_tensor(cu_seqlens, name: str = "cu_seqlens"):
     return torch.tensor(values, dtype=torch.int64)
 
 
+def check_kda_shapes(q, k, v, g, beta, *, packed: bool, head_dim: int | None = None,
+                     max_heads: int | None = None) -> int:
+    """The one check of the KDA inputs' types, shapes and devices, for the ops, the programs' callers, the
+    activations and the reference alike: q, k [B, T, H, K]; v [B, T, HV, V], g [B, T, HV, K] and beta [B, T, HV],
+    HV a multiple of H (grouped value heads); all on q's device. packed: B = 1 (the documents in one sequence);
+    head_dim: K = V = head_dim (the kernels'; None: any, the reference's); max_heads: H and HV at most that.
+    Returns HV. (Dtypes and states are the callers'.)"""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    dim = "K" if head_dim is None else head_dim
+    if q.dim() != 4 or (packed and q.shape[0] != 1):
+        shape = f"[1, T, H, {dim}] (packed documents)" if packed else f"[B, T, H, {dim}]"
+        raise ValueError(f"q: expected shape {shape}, got {list(q.shape)}")
+    B, T, H, K = q.shape
+    if head_dim is not None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() == 4 and t.shape[3] != head_dim:
+                raise ValueError(f"{name}: head dim must be {head_dim}, got {t.shape[3]}")
+    if max_heads is not None and H > max_heads:
+        raise ValueError(f"q: at most {max_heads} heads, got {H}")
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v: expected shape [{B}, {T}, HV, {'V' if head_dim is None else head_dim}] (HV a multiple "
+                         f"of q's H = {H}), got {list(v.shape)}")
+    HV = v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
+    if max_heads is not None and HV > max_heads:
+        raise ValueError(f"v: at most {max_heads} heads, got {HV}")
+    if tuple(g.shape) != (B, T, HV, K):
+        raise ValueError(f"g: expected shape {[B, T, HV, K]} ([B, T, HV, K]), got {list(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta: expected shape {[B, T, HV]} ([B, T, HV]), got {list(beta.shape)}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+    return HV
+
+
 def check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu) -> None:
     """cu_seqlens_cpu, when given, is cu_seqlens' copy on the CPU: its shape always, its values when cu_seqlens
     is on the CPU too (a device cu_seqlens is not read back: sparing that sync is what the copy is for)."""

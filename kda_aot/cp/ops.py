@@ -9,7 +9,7 @@ import torch
 from ..ops.chunk_kda import BACKWARD_MODES
 from ..ops.gate import activate
 from .._runtime.packing import PLANNED_FROM_HOST
-from .._runtime.tensor import checked_scale
+from .._runtime.tensor import check_kda_shapes, checked_scale
 from . import keys
 from .backends import backend_name, get_backend
 from .collective import _Context, _cp_backward, _cp_forward, phase_times
@@ -25,25 +25,14 @@ def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
     """This rank's input problems as one message (None: fine). Never raises: a rank that
     raised here alone would leave the others waiting in the agreement collective."""
     try:
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            if not isinstance(t, torch.Tensor):
-                return f"{name}: expected a torch.Tensor, got {type(t).__name__}"
-        if q.dim() != 4 or q.shape[0] != 1:
-            return f"q must be [1, T_local, H, K], got {list(q.shape)}"
-        _, T, Hqk, K = q.shape
-        H, V = (v.shape[2], v.shape[-1]) if v.dim() == 4 else (Hqk, -1)
+        try:
+            H = check_kda_shapes(q, k, v, g, beta, packed=True)
+        except (TypeError, ValueError) as e:
+            return str(e)
+        T, K, V = q.shape[1], q.shape[3], v.shape[3]
         if T != plan.num_local_tokens:
             return (f"q holds {T} local tokens but the plan gives rank {plan.rank} "
                     f"{plan.num_local_tokens} (layout {plan.layout})")
-        if H % Hqk != 0:
-            return f"v: its heads (HV = {H}) must be a multiple of q's and k's (H = {Hqk})"
-        for name, t, shape in (("k", k, (1, T, Hqk, K)), ("v", v, (1, T, H, V)),
-                               ("g", g, (1, T, H, K)), ("beta", beta, (1, T, H))):
-            if tuple(t.shape) != shape:
-                return f"{name} must be {list(shape)}, got {list(t.shape)}"
-        for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-            if t.device != q.device:
-                return f"{name} is on {t.device} but q is on {q.device}"
         if initial_state is not None:
             shape = (plan.num_docs, H, K, V)
             if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != shape:
@@ -158,7 +147,7 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     """
     backend, scale = kda_config(q, plan, scale, backward, backend)
     group, _, _ = resolve_group(group)
-    g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+    g, beta = activate(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval,
                        beta_dtype=beta.dtype if beta.dtype in (torch.float32, torch.float64) else torch.bfloat16)

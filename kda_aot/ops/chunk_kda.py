@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..schedule import kda
 from ..schedule.kda import HEAD_DIM
 from .chunk_kda_ops import _contiguous, chunk_kda_fwd_op, chunk_kda_fwd_saved_op
-from .gate import activate, check_activation_shapes, kernel_beta, kernel_gate
+from .gate import activate, kernel_beta, kernel_gate
 from .norm import l2norm
 from .._runtime.packing import CHUNK, host_copy
 from .._runtime.tensor import (boundaries_tensor, check_cu_seqlens, check_cu_seqlens_cpu, checked_flag, checked_scale,
@@ -22,10 +22,9 @@ BACKWARD_MODES = ("replay", "saved")
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, raw_gate=False, beta_logits=False):
-    """Checks that need only shapes, dtypes and devices (the values of cu_seqlens are checked by the op,
-    before any kernel of it runs). raw_gate: g is the raw gate the kernels activate, fp32 or bf16; beta_logits:
-    beta is the logits the kernels activate, bf16 or fp32."""
-    kda.check_shapes(q, k, v, g, beta, initial_state, packed=False)
+    """Checks that need only dtypes and devices, on tensors of checked shapes (kda.check_shapes: chunk_kda's first
+    check; the values of cu_seqlens are checked by the op, before any kernel of it runs). raw_gate: g is the raw
+    gate the kernels activate, fp32 or bf16; beta_logits: beta is the logits the kernels activate, bf16 or fp32."""
     B = q.shape[0]
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"q: with cu_seqlens the documents are packed in one sequence (B = 1), got B = {B}")
@@ -94,22 +93,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _refuse_unserved(cp_context, return_intermediate_states, use_graph, max_num_seqs, chunk_size)
     cu_seqlens = boundaries_tensor(cu_seqlens)
     scale = checked_scale(scale, HEAD_DIM)
-    if not isinstance(k, torch.Tensor):
-        raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):  # first: the gate's and beta's shapes are checked against them
-        if isinstance(x, torch.Tensor):
-            _check_head_dim(x, name)
+    kda.check_shapes(q, k, v, g, beta, initial_state, packed=False)  # first: the gate's parameters need g's heads
     # On the GPU the kernels activate the raw gate (kernel_gate); elsewhere activate() does, in torch.
     gate_args = ()
-    if use_gate_in_kernel and isinstance(g, torch.Tensor) and g.is_cuda:
-        check_activation_shapes(q, v, g, beta)  # first: the gate's parameters are checked against g's heads
+    if use_gate_in_kernel and g.is_cuda:
         g, gate_args = kernel_gate(g, A_log, dt_bias, lower_bound, safe_gate)
         use_gate_in_kernel, A_log, dt_bias = False, None, None
     # beta's activation always runs in the kernels: the op takes the logits and beta_kind
     beta_kind = kda.BETA_PLAIN
-    if use_beta_sigmoid_in_kernel and isinstance(beta, torch.Tensor):
+    if use_beta_sigmoid_in_kernel:
         beta, beta_kind = kernel_beta(beta, allow_neg_eigval)
-    g, beta = activate(q, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+    g, beta = activate(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=len(gate_args) > 0,
                        beta_logits_in_kernels=beta_kind != kda.BETA_PLAIN)
@@ -178,11 +172,6 @@ def _check_v_first_state(h0, v):
     if h0.dim() != 4 or tuple(h0.shape[1:]) != (v.shape[2], HEAD_DIM, HEAD_DIM):
         raise ValueError(f"initial_state: expected shape [N, {v.shape[2]}, {HEAD_DIM}, {HEAD_DIM}] ([N, HV, V, K] "
                          f"with state_v_first=True), got {list(h0.shape)}")
-
-
-def _check_head_dim(x, name):
-    if x.dim() == 4 and x.shape[3] != HEAD_DIM:
-        raise ValueError(f"{name}: head dim must be 128, got {x.shape[3]}")
 
 
 def _chunk_kda_packed(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,

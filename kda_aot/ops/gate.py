@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._runtime.tensor import is_real
+from .._runtime.tensor import check_kda_shapes, is_real
 from ..reference.activations import beta_sigmoid, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2, GATE_SIGMOID, GATE_SOFTPLUS
 
@@ -81,34 +81,17 @@ def kernel_beta(b: Tensor, allow_neg_eigval: bool) -> tuple:
     return (b if b.dtype == torch.bfloat16 else b.float()), (BETA_SIGMOID_2 if allow_neg_eigval else BETA_SIGMOID)
 
 
-def check_activation_shapes(q, v, g, beta) -> None:
-    """q [.., H, K], v, g [.., HV, K] and beta [.., HV] with HV a multiple of H: before the gate's parameters,
-    which are checked against g's heads."""
-    for name, t in (("q", q), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, v: expected shapes [B, T, H, K] and [B, T, HV, V], got {list(q.shape)} and "
-                         f"{list(v.shape)}")
-    H, HV = q.shape[2], v.shape[2]
-    if HV % H != 0:
-        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
-    if tuple(g.shape) != (*v.shape[:3], q.shape[3]):
-        raise ValueError(f"g: expected shape {[*v.shape[:3], q.shape[3]]} ([B, T, HV, K]), got {list(g.shape)}")
-    if tuple(beta.shape) != tuple(v.shape[:3]):
-        raise ValueError(f"beta: expected shape {list(v.shape[:3])} ([B, T, HV]), got {list(beta.shape)}")
-
-
-def activate(q: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
+def activate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
              lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
              beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False,
              beta_logits_in_kernels: bool = False) -> tuple:
-    """FLA's per-token input activations, checked: (g as the log decay, beta). q [.., H, K], v, g [.., HV, K]
-    and beta [.., HV] with HV a multiple of H; a narrower float g without use_gate_in_kernel is widened to
-    fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate, which the kernels read as it is);
+    """FLA's per-token input activations, checked: (g as the log decay, beta). q, k [B, T, H, K], v [B, T, HV, V],
+    g [B, T, HV, K] and beta [B, T, HV] with HV a multiple of H (check_kda_shapes, any head dim); a narrower float
+    g without use_gate_in_kernel is widened to fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate,
+    which the kernels read as it is);
     beta_logits_in_kernels: beta is kernel_beta's logits, which the kernels activate (not activated here).
     Per token: under context parallelism each rank activates its own tokens."""
-    check_activation_shapes(q, v, g, beta)
+    check_kda_shapes(q, k, v, g, beta, packed=False)  # first: the gate's parameters are checked against g's heads
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
     if use_gate_in_kernel:

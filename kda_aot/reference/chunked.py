@@ -326,7 +326,7 @@ def kda_chunked_bwd(saved: dict, do: torch.Tensor, dfinal_state: Optional[torch.
         raise ValueError(f"scale {scale} differs from the forward's {saved['scale']}")
     scale = saved["scale"]
     cu = saved["cu_seqlens"]
-    _check_kda_inputs(q, k, v, g, beta, None, len(cu) - 1)
+    _check_kda_inputs(q, k, v, g, beta, None, cu)
     if tuple(do.shape) != tuple(v.shape):
         raise ValueError(f"do must be {tuple(v.shape)}, got {tuple(do.shape)}")
     if dfinal_state is not None and tuple(dfinal_state.shape) != tuple(saved["final_state"].shape):

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._runtime.tensor import boundaries_tensor, check_cu_seqlens, checked_scale
+from .._runtime.tensor import boundaries_tensor, check_cu_seqlens, check_kda_shapes, checked_scale
 
 G_FLOOR = -1000.0  # chunk_prepare's floor of g: exp of anything through it underflows to 0, like exp(-inf)
 
@@ -22,33 +22,27 @@ def _bounds(cu_seqlens: CuSeqlens, T: int) -> List[int]:
     return check_cu_seqlens(boundaries_tensor(cu_seqlens), T)
 
 
-def _check_kda_inputs(q, k, v, g, beta, initial_state, n_docs):
+def _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens: CuSeqlens) -> List[int]:
     """q, k [1, T, H, K]; v [1, T, HV, V], g [1, T, HV, K], beta [1, T, HV] and the states with HV heads, a
-    multiple of H (grouped value heads)."""
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError(f"q must be [1, T, H, K], got {tuple(q.shape)}")
-    _, T, H, K = q.shape
-    if tuple(k.shape) != tuple(q.shape):
-        raise ValueError(f"k must be {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.dim() != 4 or v.shape[2] % H != 0:
-        raise ValueError(f"v must be [1, T, HV, V] with HV a multiple of q's and k's H = {H}, got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[-1]
-    for name, t, shape in (("v", v, (1, T, HV, V)), ("g", g, (1, T, HV, K)), ("beta", beta, (1, T, HV))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
-    if initial_state is not None and tuple(initial_state.shape) != (n_docs, HV, K, V):
-        raise ValueError(f"initial_state must be {(n_docs, HV, K, V)}, "
-                         f"got {tuple(initial_state.shape)}")
+    multiple of H (grouped value heads), then the document bounds against T; returns the bounds."""
+    HV = check_kda_shapes(q, k, v, g, beta, packed=True)
+    cu = _bounds(cu_seqlens, q.shape[1])
+    n_docs, K, V = len(cu) - 1, q.shape[3], v.shape[3]
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
+        if tuple(initial_state.shape) != (n_docs, HV, K, V):
+            raise ValueError(f"initial_state: expected shape {[n_docs, HV, K, V]} ([N, HV, K, V]), "
+                             f"got {list(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state: on {initial_state.device} but q is on {q.device}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if t is None:
-            continue
-        if not t.is_floating_point():
+        if t is not None and not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
     if not torch.compiler.is_compiling() and not bool((g <= 0).all()):  # (a compiled graph would break on it)
         raise ValueError("g: the log decay must be <= 0 everywhere (-inf resets a channel); got a positive or NaN "
                          "value")
+    return cu
 
 
 def _decay_matrix(Gam: torch.Tensor, strict: bool) -> torch.Tensor:
@@ -152,8 +146,7 @@ def _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype, detach=
     if chunked and dtype not in CHUNKED_DTYPES:
         raise TypeError(f"dtype: the chunked reference computes in torch.float64 or torch.float32, got {dtype} "
                         f"(kda_recurrent takes any float dtype)")
-    cu = _bounds(cu_seqlens, q.shape[1])
-    _check_kda_inputs(q, k, v, g, beta, initial_state, len(cu) - 1)
+    cu = _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     HV, K = v.shape[2], q.shape[3]
     q, k = per_value_head(q, HV), per_value_head(k, HV)
     cast = (lambda x: x.detach().to(dtype)) if detach else (lambda x: x.to(dtype))

@@ -22,7 +22,7 @@ from . import execute, fit
 from .plan import forward_plan
 from .. import options
 from .._runtime import registry
-from .._runtime.tensor import describe, out_or, stream_of
+from .._runtime.tensor import check_kda_shapes, describe, out_or, stream_of
 from .._runtime.packing import CHUNK, HEAD_DIM, PackTables, pack_tables
 
 MAX_HEADS = 64
@@ -98,32 +98,15 @@ def first_tokens(g: torch.Tensor, tables: PackTables) -> torch.Tensor:
 
 
 def check_shapes(q, k, v, g, beta, initial_state=None, packed=True) -> int:
-    """The one check of the KDA tensors' types, shapes and devices, for the public op (packed=False: B
-    sequences) and the programs' callers (packed: B = 1) alike: q, k [B, T, H, 128]; v, g [B, T, HV, 128] and
-    beta [B, T, HV] with HV a multiple of H. Returns HV. (Dtypes and the states' rows are the callers'.)"""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
-    if q.dim() != 4 or (packed and q.shape[0] != 1):
-        shape = "[1, T, H, 128] (packed documents)" if packed else "[B, T, H, 128]"
-        raise ValueError(f"q: expected shape {shape}, got {list(q.shape)}")
-    B, T, H = q.shape[:3]
-    if q.shape[3] != HEAD_DIM:
-        raise ValueError(f"q: head dim must be 128, got {q.shape[3]}")
-    if H > MAX_HEADS:
-        raise ValueError(f"q: at most {MAX_HEADS} heads, got {H}")
-    if k.shape != q.shape:
-        raise ValueError(f"k: expected shape {list(q.shape)} (as q), got {list(k.shape)}")
-    HV = value_heads(q, v)
-    if g.shape != v.shape:
-        raise ValueError(f"g: expected shape {list(v.shape)} (as v), got {list(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta: expected shape [{B}, {T}, {HV}], got {list(beta.shape)}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+    """The KDA tensors as the kernels take them (check_kda_shapes at head dim 128, at most MAX_HEADS heads), for
+    the public op (packed=False: B sequences) and the programs' callers (packed: B = 1), with the initial state's
+    type and device. Returns HV. (Dtypes and the states' rows are the callers'.)"""
+    HV = check_kda_shapes(q, k, v, g, beta, packed=packed, head_dim=HEAD_DIM, max_heads=MAX_HEADS)
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state: expected a torch.Tensor, got {type(initial_state).__name__}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state: on {initial_state.device} but q is on {q.device}")
     return HV
 
 
@@ -135,21 +118,6 @@ def _check(q, k, v, g, beta, cu_seqlens, initial_state) -> PackTables:
         rows = "" if N == tables.n_docs else " (one row per non-empty document: kda_aot.chunk_kda maps documents)"
         raise ValueError(f"initial_state: expected shape [{N}, {H}, 128, 128]{rows}, got {list(initial_state.shape)}")
     return tables
-
-
-def value_heads(q, v) -> int:
-    """v's heads HV, checked against q's [B, T, H, D] (v [B, T, HV, D], grouped value heads: HV a multiple of H,
-    at most MAX_HEADS); the one check of v's shape, for the public op and the programs' callers alike."""
-    B, T, H = q.shape[:3]
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, T) or v.shape[3] != q.shape[3]:
-        raise ValueError(f"v: expected shape [{B}, {T}, HV, 128] (HV a multiple of q's H = {H}), got "
-                         f"{list(v.shape)}")
-    HV = v.shape[2]
-    if HV % H != 0:
-        raise ValueError(f"v: its heads (HV = {HV}) must be a multiple of q's and k's (H = {H})")
-    if HV > MAX_HEADS:
-        raise ValueError(f"v: at most {MAX_HEADS} heads, got {HV}")
-    return HV
 
 
 def tables_of(cu_seqlens, T: int, device) -> PackTables:
