@@ -35,14 +35,15 @@ except ImportError as e:  # FLA absent, one without the backend dispatch (before
         raise ImportError(f"kda_aot.fla: flash-linear-attention is installed but cannot be imported: it needs "
                           f"{e.name!r}, which is missing ({e})") from e
     raise ImportError(f"kda_aot.fla registers kda_aot with flash-linear-attention's backend dispatch, which it "
-                      f"could not import ({e}): it needs fla-core 0.6.0 (pip install fla-core==0.6.0)") from e
+                      f"could not import ({e}): it needs fla-core 0.6.0 (pip install 'kda_aot[fla]': fla-core[cuda] "
+                      f"0.6.0 and what it imports)") from e
 
 from ._runtime import registry
 from ._runtime.packing import host_copy
 from ._runtime.tensor import boundaries_tensor, check_cu_seqlens, is_real
 from .ops.chunk_kda import checked_flags, chunk_kda
 from .ops.conv import CONV_WIDTH, conv1d_silu_bwd_op, conv1d_silu_fwd_op
-from .ops.gate import GATE_PARAM_DTYPES
+from .reference.activations import GATE_PARAM_DTYPES
 from .schedule.kda import HEAD_DIM, MAX_HEADS
 
 BACKEND_TYPE = "kda_aot"

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import reference
 from ._runtime import registry
-from ._runtime.tensor import boundaries_tensor, check_cu_seqlens_cpu, checked_flag, checked_scale, require_cuda
+from ._runtime.tensor import (boundaries_tensor, check_cu_seqlens_cpu, check_kda_shapes, checked_flag, checked_scale,
+                              require_cuda)
 from .cp.backends import ReferenceBackend
 from .cp.exchange import resolve_group
 from .cp.halo import CudaConv, ReferenceConv, _conv_cp
@@ -164,6 +165,18 @@ class PackedKDA(nn.Module):
                                  f"{list(getattr(x, 'shape', []))}")
             _check_floating(name, x)
 
+    def _check_kda_shapes(self, q, k, v, g, beta, initial_state, cu_seqlens, plan):
+        """g, beta and the initial state against q's heads, before the convs run (check_kda_shapes, as chunk_kda)."""
+        H, Dh = self.num_heads, self.head_dim
+        check_kda_shapes(*(x.unflatten(-1, (H, Dh)) for x in (q, k, v)), g, beta, packed=True)
+        if plan is not None:  # (not a CPPlan: kda_config names it)
+            N = plan.num_docs if isinstance(plan, CPPlan) else None
+        else:
+            N = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else None
+        if initial_state is not None and N is not None and tuple(initial_state.shape) != (N, H, Dh, Dh):
+            raise ValueError(f"initial_state: expected shape {[N, H, Dh, Dh]} ([N, H, head_dim, head_dim], a row per "
+                             f"document), got {list(initial_state.shape)}")
+
     def conv_qkv(self, q, k, v, *, cu_seqlens=None, plan: Optional[CPPlan] = None, group=None):
         """The part before KDA: causal conv1d + SiLU of q, k, v (with the CP halo when a plan
         is given; collective then) and the per-head L2 norm of q and k. Returns q, k, v as
@@ -210,6 +223,7 @@ class PackedKDA(nn.Module):
         if initial_state is not None:
             _check_floating("initial_state", initial_state)
         cu_seqlens = boundaries_tensor(cu_seqlens)
+        self._check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, plan)
         scale = checked_scale(scale, self.head_dim)
         output_final_state = checked_flag("output_final_state", output_final_state)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)

@@ -10,7 +10,7 @@ from conftest import HAS_GPU
 from kda_aot import causal_conv1d_silu
 from kda_aot._runtime import registry
 from kda_aot._runtime.tensor import describe
-from kda_aot.ops.conv import conv1d_silu_backward
+from kda_aot.ops.conv import conv1d_silu_backward, conv1d_silu_forward
 
 DEV = "cuda" if HAS_GPU else "cpu"
 
@@ -30,8 +30,6 @@ CASES = [
     ("x batch", lambda x, w, b, cu, h: (x.expand(2, -1, -1), w, b, cu, h), ValueError, "x: expected shape"),
     ("x D not multiple of 8", lambda x, w, b, cu, h: (x[..., :12], w[:12], b[:12], cu, h[..., :12]), ValueError,
      "x: D must be a positive multiple of 8"),
-    ("x misaligned", lambda x, w, b, cu, h: (torch.randn(x.numel() + 1, device=x.device).to(torch.bfloat16)[1:]
-                                           .view(x.shape), w, b, cu, h), ValueError, "x: storage must be 16-byte aligned"),
     ("weight width", lambda x, w, b, cu, h: (x, torch.randn(w.shape[0], 3, device=w.device), b, cu, h), ValueError,
      r"weight: expected shape \[D, 4\]"),
     ("weight D mismatch", lambda x, w, b, cu, h: (x, torch.randn(8, 4, device=w.device), b, cu, h), ValueError,
@@ -79,12 +77,28 @@ def test_bad_input_is_named(name, mutate, exc, match):
         causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
 
 
+def test_misaligned_storage_is_named_by_the_binding():
+    """The binding's own check (on the GPU behind every call; on the CPU the kernel call reaches it)."""
+    x, w, b, cu, h = good()
+    x = torch.randn(x.numel() + 1, device=x.device).to(torch.bfloat16)[1:].view(x.shape)
+    if HAS_GPU:
+        with pytest.raises(ValueError, match="x: storage must be 16-byte aligned"):
+            causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
+    with pytest.raises(ValueError, match="x: storage must be 16-byte aligned"):
+        conv1d_silu_forward(x, w, b, cu, h)
+
+
 @pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
 def test_cpu_tensors_are_refused_after_every_other_check():
+    """After the checks that need no kernel, the boundaries' values and the halo's rows among them, naming the
+    reference's conv1d_silu (and the l2norm step), as chunk_kda names its counterpart."""
     x, w, b, cu, h = good()
-    with pytest.raises(ValueError, match=r"x: expected a CUDA tensor \(kda_aot's kernels run on a CUDA GPU; on the CPU, "
-                                         r"kda_aot.reference holds the same math in fp64\)"):
+    refusal = (r"x: causal_conv1d_silu runs its kernels on a CUDA GPU, got a tensor on cpu; on the CPU, "
+               r"kda_aot.reference.conv1d_silu is the same math in fp64 \(with l2norm, apply kda_aot.reference.l2norm")
+    with pytest.raises(ValueError, match=refusal):
         causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
+    with pytest.raises(ValueError, match=refusal):
+        causal_conv1d_silu(x, w, b, cu_seqlens=[0, 5, 12], halo=h, l2norm=False)
     empty = x[:, :0]  # no token: nothing to launch, and still refused (not an empty result)
     with pytest.raises(ValueError, match="x: causal_conv1d_silu runs its kernels on a CUDA GPU.*kda_aot.reference.conv1d_silu is the same"):
         causal_conv1d_silu(empty, w, b, cu_seqlens=torch.zeros(3, dtype=torch.int32), halo=h)

@@ -176,7 +176,7 @@ def test_the_switch_turns_it_off(fake_fla, monkeypatch):
 
 @pytest.mark.parametrize("missing,match", [
     ("triton", r"flash-linear-attention is installed but cannot be imported: it needs 'triton', which is missing"),
-    ("fla", r"it needs fla-core 0.6.0 \(pip install fla-core==0.6.0\)"),
+    ("fla", r"it needs fla-core 0.6.0 \(pip install 'kda_aot\[fla\]': fla-core\[cuda\] 0\.6\.0"),
 ])
 def test_an_import_failure_names_what_is_missing(monkeypatch, missing, match):
     """FLA absent: install fla-core; FLA present but a dependency of it (Triton) absent: that dependency, not

@@ -5,6 +5,8 @@ traces into one graph, the backward ops included) and a strict export (dynamo: n
 Nothing here runs a kernel: the tensors are fake (make_fx, torch.export), so the CPU checks what the
 compiler sees; tests/test_ops_gpu.py runs the same steps on the GPU against eager and fp64.
 """
+import warnings
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -161,6 +163,25 @@ def test_auto_backend_takes_the_reference_for_another_head_dim(monkeypatch):
     assert registry.auto_backend(x) == "cuda" and registry.auto_backend(x.float()) == "reference"
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)  # the CP ops' q: heads of 64
     assert get_backend("auto", like=q).name == "reference"
+
+
+def test_auto_backend_says_why_a_gpu_tensor_runs_on_the_reference(monkeypatch):
+    """A CUDA tensor that "auto" sends to the reference (fp32 torch math) warns with the reason; a served bf16 one and
+    a CPU one do not. (Fake CUDA tensors: no GPU needed.)"""
+    from kda_aot._runtime import registry
+    with FakeTensorMode():
+        x32 = torch.empty(2, device="cuda")
+        x16 = torch.empty(2, device="cuda", dtype=BF)
+    monkeypatch.setattr(registry, "serves", lambda device: True)
+    with pytest.warns(UserWarning, match=r"runs kda_aot.reference .* on cuda:0: float32 inputs \(the kernels take "
+                                         r"bfloat16: cast them or run under torch.autocast\)"):
+        assert registry.auto_backend(x32) == "reference"
+    with pytest.warns(UserWarning, match=r"on cuda:0: head_dim 64 \(the kernels' is 128\)"):
+        assert registry.auto_backend(x16, 64) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert registry.auto_backend(x16) == "cuda"
+        assert registry.auto_backend(torch.zeros(2)) == "reference"
 
 
 def test_fla_layer_call_traces_into_one_graph():

@@ -10,6 +10,7 @@ import functools
 import importlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -156,7 +157,21 @@ def serves(device) -> bool:
 def auto_backend(x, head_dim: int = HEAD_DIM) -> str:
     """What backend="auto" picks for inputs like x: "cuda" (the kernels) for a bf16 tensor on a GPU they
     serve, with heads of the kernels' HEAD_DIM (the caller's head dim, where its inputs have heads), else
-    "reference"."""
-    if head_dim != HEAD_DIM:
+    "reference". A CUDA tensor sent to the reference gets a warning that says why (the reference is the fp32
+    torch math: correct, and orders of magnitude slower than the kernels)."""
+    if not isinstance(x, torch.Tensor):
         return "reference"
-    return "cuda" if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and serves(x.device) else "reference"
+    if head_dim != HEAD_DIM:
+        why = f"head_dim {head_dim} (the kernels' is {HEAD_DIM})"
+    elif not serves(x.device):
+        shipped = ", ".join(sorted({r["arch"] for r in records() if r["shipped"]})) or "none"
+        why = None if not x.is_cuda else (f"no kernels for {torch.cuda.get_device_name(x.device)} "
+                                          f"({running_arch(x.device)}; this install's: {shipped})")
+    elif x.dtype != torch.bfloat16:
+        why = f"{str(x.dtype).replace('torch.', '')} inputs (the kernels take bfloat16: cast them or run under torch.autocast)"
+    else:
+        return "cuda"
+    if why and x.is_cuda and not torch.compiler.is_compiling():
+        warnings.warn(f"backend='auto' runs kda_aot.reference (fp32 torch math, far slower than the kernels) on "
+                      f"{x.device}: {why}; pass backend='reference' to choose it", stacklevel=3)
+    return "reference"

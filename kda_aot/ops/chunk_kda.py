@@ -36,7 +36,10 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, r
         if name == "beta" and beta_logits and t.dtype == torch.float32:
             continue
         if t is not None and t.dtype != dtype:
-            raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}")
+            hint = "" if dtype != torch.bfloat16 else (
+                f" (the kernels compute on bf16 operands: cast with .to(torch.bfloat16), as autocast's projections "
+                f"give them; FLA would compute in {str(t.dtype).replace('torch.', '')})")
+            raise TypeError(f"{name}: expected dtype {str(dtype).replace('torch.', '')}, got {t.dtype}{hint}")
     if cu_seqlens is not None:
         if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
             where = "the CPU" if q.device.type == "cpu" else f"the CPU or {q.device}"

@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .._runtime import registry
-from .._runtime.tensor import boundaries_tensor, describe, out_or, require_cuda, stream_of
+from .._runtime.tensor import (boundaries_tensor, check_cu_seqlens, checked_flag, describe, out_or, require_cuda,
+                               stream_of)
 from .._runtime.packing import CONV_WIDTH, HEAD_DIM, PLANNED_FROM_HOST, pack_tables
 
 
@@ -22,8 +24,8 @@ def _check(x, weight, bias, halo, cu_seqlens):
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("halo", halo), ("cu_seqlens", cu_seqlens)):
         if (t is not None or name in ("x", "weight", "cu_seqlens")) and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if x.dim() != 3:
-        raise ValueError(f"x: expected shape [1, T, D], got {list(x.shape)}")
+    if x.dim() != 3 or x.shape[0] != 1:
+        raise ValueError(f"x: expected shape [1, T, D] (packed documents), got {list(x.shape)}")
     # the binding's own checks of x, weight and bias, here too: with no token (T = 0) no binding runs
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x: expected dtype bfloat16, got {str(x.dtype).replace('torch.', '')}")
@@ -38,6 +40,8 @@ def _check(x, weight, bias, halo, cu_seqlens):
                          f"{list(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (D,):
         raise ValueError(f"bias: expected shape [D] = [{D}], got {list(bias.shape)}")
+    if halo is not None and halo.dtype != torch.bfloat16:
+        raise TypeError(f"halo: expected dtype bfloat16, got {str(halo.dtype).replace('torch.', '')}")
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device} but x is on {x.device}")
@@ -156,6 +160,7 @@ conv1d_silu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def conv_form(x: torch.Tensor, l2norm: bool) -> str:
     """The conv record for x: "l2norm" (the per-head L2 norm fused; D a multiple of 128) or "default"."""
+    l2norm = checked_flag("l2norm", l2norm)
     if l2norm and (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] % HEAD_DIM):
         raise ValueError(f"causal_conv1d_silu(l2norm=True): D must be a multiple of {HEAD_DIM} (heads of "
                          f"{HEAD_DIM} channels), got {x.shape[-1]}")
@@ -177,4 +182,13 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cu_seqlens = boundaries_tensor(cu_seqlens)
     _check(x, weight, bias, halo, cu_seqlens)
     form = conv_form(x, l2norm)
+    # Off the GPU, the refusal names the CPU counterpart after the checks of the boundaries' values and the halo's
+    # rows, which the op and its binding make on the GPU (traced, the op's binding refuses).
+    if not x.is_cuda and not torch.compiler.is_compiling() and not is_fake(x):
+        if cu_seqlens.device.type == "cpu":
+            N = len(check_cu_seqlens(cu_seqlens, x.shape[1])) - 1
+            if halo is not None and tuple(halo.shape) != (N, CONV_WIDTH - 1, x.shape[2]):
+                raise ValueError(f"halo: expected shape [N, 3, D] = [{N}, {CONV_WIDTH - 1}, {x.shape[2]}] (the 3 "
+                                 f"tokens before each document), got {list(halo.shape)}")
+        require_cuda(x, "x", "causal_conv1d_silu")
     return conv1d_silu_fwd_op(x, weight, bias, halo, cu_seqlens, form)

@@ -8,54 +8,14 @@ runs as the torch operations here, before the KDA op. beta's activation runs ins
 kda_aot.chunk_kda (kernel_beta: every program that reads beta forms it from the logits); under context
 parallelism as the torch operation here (beta_sigmoid).
 """
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .._runtime.tensor import check_kda_shapes, is_real
-from ..reference.activations import beta_sigmoid, kda_gate
+from .._runtime.tensor import check_kda_shapes
+from ..reference.activations import beta_sigmoid, check_gate_args, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2, GATE_SIGMOID, GATE_SOFTPLUS
-
-# FLA's gate reads A_log and dt_bias as fp32 whatever their float dtype; so do the kernels (kernel_gate).
-GATE_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-                    lower_bound: Optional[float], safe_gate: bool) -> None:
-    """The gate's parameters: A_log [HV] (or any shape of HV elements), dt_bias [HV * K] (or [HV, K]), both
-    floating point on g's device; lower_bound < 0, in [-5, 0) with safe_gate; A_log required without lower_bound."""
-    HV, K = g.shape[-2], g.shape[-1]
-    if not g.is_floating_point():
-        raise TypeError(f"g: the raw gate must be floating point, got {g.dtype}")
-    if A_log is None and lower_bound is None:
-        raise ValueError("A_log: required with use_gate_in_kernel=True unless lower_bound is set "
-                         "(the gate -exp(A_log) * softplus(g + dt_bias))")
-    for name, t, numel in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV * K)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in GATE_PARAM_DTYPES:
-            raise TypeError(f"{name}: expected float32, bfloat16, float16 or float64, got {t.dtype}")
-        if t.numel() != numel:
-            spelled = f"[HV] for HV = {HV}" if name == "A_log" else f"[HV * K] for HV = {HV}, K = {K}"
-            raise ValueError(f"{name}: expected {numel} elements ({spelled}), got shape {list(t.shape)}")
-        if t.device != g.device:
-            raise ValueError(f"{name}: on {t.device} but g is on {g.device}")
-    if lower_bound is not None:
-        if not is_real(lower_bound):
-            raise TypeError(f"lower_bound: expected a float, got {type(lower_bound).__name__}")
-        if safe_gate and not -5 <= lower_bound < 0:
-            raise ValueError(f"lower_bound: must lie in [-5, 0) with safe_gate=True, got {lower_bound}")
-        # the gate lower_bound * sigmoid(..) is a log decay, <= 0; -inf would make it NaN where sigmoid is 0
-        if not (math.isfinite(lower_bound) and lower_bound < 0):
-            raise ValueError(f"lower_bound: must be a finite number < 0 (the gate is lower_bound * sigmoid(...), "
-                             f"a log decay), got {lower_bound}")
-    elif safe_gate:
-        raise ValueError("lower_bound: required with safe_gate=True and use_gate_in_kernel=True")
-
 
 def kernel_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor], lower_bound: Optional[float],
                 safe_gate: bool) -> tuple:

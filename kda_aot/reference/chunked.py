@@ -138,7 +138,7 @@ def _chunk_table(cu: List[int], chunk_size: int) -> List[Tuple[int, int, int]]:
             for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])) for c0 in range(a, b, chunk_size)]
 
 
-def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens,
+def kda_chunked_fwd_saved(q, k, v, g, beta, *, cu_seqlens: CuSeqlens = None,
                           scale: Optional[float] = None,
                           initial_state: Optional[torch.Tensor] = None, chunk_size: int = 64,
                           dtype: torch.dtype = torch.float64) -> dict:

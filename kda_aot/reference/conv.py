@@ -13,7 +13,7 @@ from .kda import CuSeqlens, _bounds
 # ----------------------------------------------------------------------------- conv1d
 
 def conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                cu_seqlens: CuSeqlens, halo: Optional[torch.Tensor] = None,
+                cu_seqlens: CuSeqlens = None, halo: Optional[torch.Tensor] = None,
                 dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Causal depthwise conv (width 4) + SiLU over packed documents.
 
@@ -50,7 +50,7 @@ def conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 def conv1d_silu_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dy: torch.Tensor, *,
-                    cu_seqlens: CuSeqlens, halo: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float64):
+                    cu_seqlens: CuSeqlens = None, halo: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float64):
     """conv1d_silu's backward written out (no autograd): (dx [1, T, D], dweight [D, 4], dbias [D] or None,
     dhalo [N, 3, D] or None), all in `dtype`. Per document, with xp = [halo or 0; x] and
     a_t = bias + sum_j w_j xp_{t+j}: da = dy silu'(a), dw_j = sum_t da_t xp_{t+j}, dxp_{t+j} += w_j da_t."""

@@ -154,7 +154,7 @@ def _prepared(q, k, v, g, beta, cu_seqlens, scale, initial_state, dtype, detach=
     return cu, tensors, checked_scale(scale, K)
 
 
-def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
+def kda_recurrent(q, k, v, g, beta, *, cu_seqlens: CuSeqlens = None, scale: Optional[float] = None,
                   initial_state: Optional[torch.Tensor] = None,
                   output_final_state: bool = False,
                   dtype: torch.dtype = torch.float64
@@ -189,7 +189,7 @@ def chunk_step(p: dict, Qc: torch.Tensor, S: torch.Tensor, scale: float) -> tupl
     return Vp, Qg, scale * (Qg @ S + p["Aqk"] @ Vp), torch.exp(p["gam"])[:, :, None] * S + p["Kg"].transpose(1, 2) @ Vp
 
 
-def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens, scale: Optional[float] = None,
+def kda_chunked(q, k, v, g, beta, *, cu_seqlens: CuSeqlens = None, scale: Optional[float] = None,
                 initial_state: Optional[torch.Tensor] = None,
                 output_final_state: bool = False, chunk_size: int = 64,
                 dtype: torch.dtype = torch.float64
