@@ -9,7 +9,8 @@
 #      compiled gradients bitwise the eager ones
 #   3b. FLA's KimiDeltaAttention layer with `import kda_aot.fla` from the installed wheel: its chunk_kda and convs
 #      served (counted), outputs and gradients against FLA's own kernels
-#   4. tests/test_installed.py and tests/test_ops_gpu.py against the installed package (KDA_AOT_TEST_INSTALLED=1)
+#   4. tests/test_installed.py, tests/test_ops_gpu.py and tests/test_readme.py (the README's examples) against the
+#      installed package (KDA_AOT_TEST_INSTALLED=1)
 # Logs in $OUT (wheel.log, user_call.log, user_fla_layer.log, pytest_installed.log).
 source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -119,5 +120,5 @@ PY
 (cd /tmp && timeout 300 /tmp/user_venv/bin/python /tmp/user_fla_layer.py) > "$OUT/user_fla_layer.log" 2>&1
 stamp "FLA layer rc $?: $(tail -1 "$OUT/user_fla_layer.log")"
 (cd /tmp && KDA_AOT_TEST_INSTALLED=1 timeout 300 /tmp/user_venv/bin/python -m pytest -q -p no:cacheprovider \
-  --rootdir "$ROOT" "$ROOT/tests/test_installed.py" "$ROOT/tests/test_ops_gpu.py") > "$OUT/pytest_installed.log" 2>&1
+  --rootdir "$ROOT" "$ROOT/tests/test_installed.py" "$ROOT/tests/test_ops_gpu.py" "$ROOT/tests/test_readme.py") > "$OUT/pytest_installed.log" 2>&1
 stamp "installed tests: $(tail -1 "$OUT/pytest_installed.log")"
