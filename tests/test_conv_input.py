@@ -99,6 +99,8 @@ def test_cpu_tensors_are_refused_after_every_other_check():
         causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h)
     with pytest.raises(ValueError, match=refusal):
         causal_conv1d_silu(x, w, b, cu_seqlens=[0, 5, 12], halo=h, l2norm=False)
+    with pytest.raises(TypeError, match="l2norm: expected a bool, got 'no'"):  # not a true string
+        causal_conv1d_silu(x, w, b, cu_seqlens=cu, halo=h, l2norm="no")
     empty = x[:, :0]  # no token: nothing to launch, and still refused (not an empty result)
     with pytest.raises(ValueError, match="x: causal_conv1d_silu runs its kernels on a CUDA GPU.*kda_aot.reference.conv1d_silu is the same"):
         causal_conv1d_silu(empty, w, b, cu_seqlens=torch.zeros(3, dtype=torch.int32), halo=h)

@@ -190,6 +190,23 @@ def test_argument_errors():
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
+def test_shapes_are_checked_before_the_convs_run(monkeypatch):
+    """g, beta and the initial state's rows are named before any conv runs (the CUDA backend would launch them)."""
+    (q, k, v), g, beta, cu = inputs("early", [5, 11], 2, 8)
+    m = module(2, 8, "early")
+    calls, conv = [], reference.conv1d_silu
+    monkeypatch.setattr(reference, "conv1d_silu", lambda *a, **kw: calls.append(1) or conv(*a, **kw))
+    for args, kw, match in (((g, beta[..., :1]), {}, r"beta: expected shape \[1, 16, 2\]"),
+                            ((g[..., :4], beta), {}, r"g: expected shape \[1, 16, 2, 8\]"),
+                            ((g, beta), dict(initial_state=torch.zeros(3, 2, 8, 8)),
+                             r"initial_state: expected shape \[2, 2, 8, 8\]")):
+        with pytest.raises(ValueError, match=match):
+            m(q, k, v, *args, cu_seqlens=cu, **kw)
+    assert not calls
+    m(q, k, v, g, beta, cu_seqlens=cu)
+    assert len(calls) == 3  # (the spy sees the module's convs)
+
+
 def test_cuda_backend_refuses_cpu_tensors_naming_the_reference_backend():
     m = PackedKDA(2, 128, backend="cuda")
     (q, k, v), g, beta, cu = inputs("cuda-on-cpu", [4, 4], 2, 128, torch.bfloat16)

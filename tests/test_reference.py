@@ -378,3 +378,27 @@ def test_scale_and_dtype_are_checked_as_the_ops_check_them(gen):
     o64, _ = ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0, 8], scale=torch.tensor(0.3))
     o32, _ = ref.kda_chunked(q, k, v, g, beta, cu_seqlens=[0, 8], scale=0.3, dtype=torch.float32)
     assert o32.dtype == torch.float32 and rel_err(o32, o64) < 1e-5
+
+
+def test_the_activations_check_their_arguments_as_the_ops_do(gen):
+    """kda_gate, l2norm and beta_sigmoid, the forms the ops' CPU refusals name: a missing or wrong parameter is named
+    (not an AttributeError or a reshape error), an integer tensor is refused (not silently zeros); without
+    cu_seqlens the reference runs one document, as documented."""
+    g = torch.randn(1, 8, 2, 16, generator=gen, dtype=F64)
+    with pytest.raises(ValueError, match="A_log: required with use_gate_in_kernel=True unless lower_bound is set"):
+        ref.kda_gate(g, None, None, None)
+    with pytest.raises(ValueError, match=r"A_log: expected 2 elements \(\[HV\] for HV = 2\), got shape \[4\]"):
+        ref.kda_gate(g, torch.zeros(4), None, None)
+    with pytest.raises(ValueError, match=r"dt_bias: expected 32 elements"):
+        ref.kda_gate(g, torch.zeros(2), torch.zeros(16), None)
+    with pytest.raises(ValueError, match="lower_bound: must be a finite number < 0"):
+        ref.kda_gate(g, None, None, 0.5)
+    assert torch.equal(ref.kda_gate(g, None, None, -1.0), -torch.sigmoid(g))
+    with pytest.raises(TypeError, match="x: expected a floating-point tensor, got torch.int64"):
+        ref.l2norm(torch.ones(2, 16, dtype=torch.int64))
+    b = torch.randn(1, 8, 2, generator=gen, dtype=F64)
+    assert torch.equal(ref.beta_sigmoid(b, dtype=F64), torch.sigmoid(b))
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=gen, dtype=F64) for _ in range(3))
+    beta = torch.rand(1, 8, 2, generator=gen, dtype=F64)
+    assert torch.equal(ref.kda_chunked(q, k, v, -g.abs(), beta)[0],
+                       ref.kda_chunked(q, k, v, -g.abs(), beta, cu_seqlens=[0, 8])[0])
