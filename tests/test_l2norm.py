@@ -83,7 +83,9 @@ def test_bad_input_is_refused_before_any_kernel():
     with pytest.raises(TypeError, match="torch.Tensor"):
         l2norm([1.0] * 128)
     if not HAS_GPU:
-        with pytest.raises(ValueError, match="x: l2norm runs its kernels on a CUDA GPU.*kda_aot.reference.l2norm is"):
+        # (compiled, chunk_kda's call with use_qk_l2norm_in_kernel meets this refusal first: it names that call's form)
+        with pytest.raises(ValueError, match=r"x: l2norm runs its kernels on a CUDA GPU.*kda_aot.reference.l2norm is .*"
+                                             r"use_qk_l2norm_in_kernel=True: kda_aot.reference.kda_chunked on"):
             l2norm(x)
 
 

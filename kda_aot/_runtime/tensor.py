@@ -46,7 +46,9 @@ CPU_COUNTERPARTS = {
                  "allow_neg_eigval) to its inputs first",
     "causal_conv1d_silu": "kda_aot.reference.conv1d_silu is the same math in fp64 (with l2norm, apply "
                           "kda_aot.reference.l2norm to y.unflatten(-1, (-1, 128)) after it)",
-    "l2norm": "kda_aot.reference.l2norm is the same math",
+    # chunk_kda(use_qk_l2norm_in_kernel=True) runs this op first; compiled, its refusal is the one a CPU call meets
+    "l2norm": "kda_aot.reference.l2norm is the same math (from chunk_kda with use_qk_l2norm_in_kernel=True: "
+              "kda_aot.reference.kda_chunked on reference.l2norm(q), reference.l2norm(k) is the call's)",
     "PackedKDA(backend='cuda')": "PackedKDA(backend='auto') runs the same module on kda_aot.reference",
 }
 
