@@ -165,14 +165,11 @@ class PackedKDA(nn.Module):
                                  f"{list(getattr(x, 'shape', []))}")
             _check_floating(name, x)
 
-    def _check_kda_shapes(self, q, k, v, g, beta, initial_state, cu_seqlens, plan):
+    def _check_kda_shapes(self, q, k, v, g, beta, initial_state, cu_seqlens):
         """g, beta and the initial state against q's heads, before the convs run (check_kda_shapes, as chunk_kda)."""
         H, Dh = self.num_heads, self.head_dim
         check_kda_shapes(*(x.unflatten(-1, (H, Dh)) for x in (q, k, v)), g, beta, packed=True)
-        if plan is not None:  # (not a CPPlan: kda_config names it)
-            N = plan.num_docs if isinstance(plan, CPPlan) else None
-        else:
-            N = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else None
+        N = cu_seqlens.shape[0] - 1 if cu_seqlens.dim() == 1 else None
         if initial_state is not None and N is not None and tuple(initial_state.shape) != (N, H, Dh, Dh):
             raise ValueError(f"initial_state: expected shape {[N, H, Dh, Dh]} ([N, H, head_dim, head_dim], a row per "
                              f"document), got {list(initial_state.shape)}")
@@ -223,7 +220,8 @@ class PackedKDA(nn.Module):
         if initial_state is not None:
             _check_floating("initial_state", initial_state)
         cu_seqlens = boundaries_tensor(cu_seqlens)
-        self._check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, plan)
+        if plan is None:  # (under CP the one agreement check names them on every rank: no rank raises alone)
+            self._check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
         scale = checked_scale(scale, self.head_dim)
         output_final_state = checked_flag("output_final_state", output_final_state)
         check_cu_seqlens_cpu(cu_seqlens, cu_seqlens_cpu)

@@ -215,16 +215,18 @@ def _run_error(rank, case):
             if rank == 0:
                 plan = cp.make_plan(cu, "zigzag", group=dist.group.WORLD)
             cp.conv_halo(torch.randn(1, plan.num_local_tokens, 8, device=dev), plan)
-        elif variant in ("module_local_shape", "module_heads"):
+        elif variant in ("module_local_shape", "module_heads", "module_beta"):
             # PackedKDA's one agreement check for its whole call (conv facts and KDA facts together)
             from kda_aot.nn import PackedKDA
             Hm = 3 if variant == "module_heads" and rank == 0 else H
             m = PackedKDA(Hm, K).to(dev)
             nm = plan.num_local_tokens - (1 if variant == "module_local_shape" and rank == W - 1 else 0)
             x = torch.randn(1, nm, Hm * K, device=dev)
-            m(x, x, x, -torch.rand(1, nm, Hm, K, device=dev), torch.rand(1, nm, Hm, device=dev), plan=plan)
+            nb = nm - (1 if variant == "module_beta" and rank == W - 1 else 0)
+            m(x, x, x, -torch.rand(1, nm, Hm, K, device=dev), torch.rand(1, nb, Hm, device=dev), plan=plan)
         else:
-            cp.chunk_kda_cp(q, q, q, -q.abs(), torch.rand(1, n, H, device=dev), plan=plan)
+            k = q[:, 1:] if variant == "k_shape" and rank == W - 1 else q
+            cp.chunk_kda_cp(q, k, q, -q.abs(), torch.rand(1, n, H, device=dev), plan=plan)
     except Exception as e:  # noqa: BLE001 - the test checks the type
         got = (type(e).__name__, str(e))
     # The group must still be in step: a plain collective afterwards completes.

@@ -59,7 +59,7 @@ SWEEP = {2: list(MAIN_PACKS), 3: list(MAIN_PACKS), 4: list(MAIN_PACKS) + ["speck
          8: ["long", "short", "tiny", "specks"]}
 FP64_PACKS = {2: ["mixed"], 3: ["random"], 4: ["short"], 8: ["tiny"]}
 ERROR_VARIANTS = ["cu_seqlens", "layout", "local_shape", "heads", "wrong_rank", "world_size",
-                  "halo_layout", "module_local_shape", "module_heads"]
+                  "halo_layout", "module_local_shape", "module_heads", "k_shape", "module_beta"]
 ERROR_WORLDS = (2, 3)
 
 
@@ -339,7 +339,9 @@ def check_error(res, W, variant):
                   "local_shape": "local tokens", "heads": "disagree on H",
                   "wrong_rank": "the plan was built for rank",
                   "world_size": "disagree on world_size", "halo_layout": "disagree on layout",
-                  "module_local_shape": "for rank", "module_heads": "disagree on H"}
+                  "module_local_shape": "for rank", "module_heads": "disagree on H",
+                  # one rank's own shape problem, reported through the agreement (it must not raise alone)
+                  "k_shape": "k: expected shape", "module_beta": "beta: expected shape"}
         assert expect[variant] in msg, msg
         assert out["after"] == W * (W - 1) // 2, "the group is out of step after the error"
 

@@ -189,7 +189,6 @@ def test_argument_errors():
         m(q, k, v, g.to("meta"), beta, cu_seqlens=cu)
 
 
-@pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
 def test_shapes_are_checked_before_the_convs_run(monkeypatch):
     """g, beta and the initial state's rows are named before any conv runs (the CUDA backend would launch them)."""
     (q, k, v), g, beta, cu = inputs("early", [5, 11], 2, 8)
@@ -207,6 +206,7 @@ def test_shapes_are_checked_before_the_convs_run(monkeypatch):
     assert len(calls) == 3  # (the spy sees the module's convs)
 
 
+@pytest.mark.skipif(HAS_GPU, reason="the CPU-tensor refusal is what a GPU-less machine can show")
 def test_cuda_backend_refuses_cpu_tensors_naming_the_reference_backend():
     m = PackedKDA(2, 128, backend="cuda")
     (q, k, v), g, beta, cu = inputs("cuda-on-cpu", [4, 4], 2, 128, torch.bfloat16)

@@ -182,6 +182,11 @@ def test_auto_backend_says_why_a_gpu_tensor_runs_on_the_reference(monkeypatch):
         warnings.simplefilter("error")
         assert registry.auto_backend(x16) == "cuda"
         assert registry.auto_backend(torch.zeros(2)) == "reference"
+    monkeypatch.undo()
+    # traced (the CP ops choose under torch.compile): no manifest read for a tensor that gets no warning
+    picked = torch.compile(lambda x: x + (1 if registry.auto_backend(x) == "reference" else 2), fullgraph=True,
+                           backend="eager")(torch.zeros(2, dtype=BF))
+    assert torch.equal(picked, torch.ones(2, dtype=BF))
 
 
 def test_fla_layer_call_traces_into_one_graph():

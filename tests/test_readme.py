@@ -19,7 +19,14 @@ def examples() -> list:
 
 def test_the_cpu_example_runs_on_the_reference():
     cpu = examples()[1]
-    assert "reference.kda_chunked" in cpu
+    # the form chunk_kda's CPU refusal names, call by call (beta in fp64: the kernels never round it to bf16)
+    from kda_aot._runtime.tensor import CPU_COUNTERPARTS
+    for form in ("kda_aot.reference.kda_chunked", "kda_aot.reference.l2norm", "kda_gate(g, A_log, dt_bias, lower_bound)",
+                 "beta_sigmoid(beta, allow_neg_eigval, dtype=torch.float64)"):
+        assert form in CPU_COUNTERPARTS["chunk_kda"], form
+    for call in ("reference.kda_chunked(", "reference.l2norm(q)", "reference.kda_gate(raw, A_log, dt_bias, None)",
+                 "reference.beta_sigmoid(b, False, dtype=torch.float64)"):
+        assert call in cpu, call
     scope = {}
     exec(compile(cpu, "README.md (CPU example)", "exec"), scope)
     o, final = scope["o"], scope["final"]

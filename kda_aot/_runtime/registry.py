@@ -157,21 +157,24 @@ def serves(device) -> bool:
 def auto_backend(x, head_dim: int = HEAD_DIM) -> str:
     """What backend="auto" picks for inputs like x: "cuda" (the kernels) for a bf16 tensor on a GPU they
     serve, with heads of the kernels' HEAD_DIM (the caller's head dim, where its inputs have heads), else
-    "reference". A CUDA tensor sent to the reference gets a warning that says why (the reference is the fp32
-    torch math: correct, and orders of magnitude slower than the kernels)."""
+    "reference". A CUDA tensor sent to the reference gets a warning that says why (the reference is torch math:
+    correct, and orders of magnitude slower than the kernels)."""
     if not isinstance(x, torch.Tensor):
         return "reference"
-    if head_dim != HEAD_DIM:
-        why = f"head_dim {head_dim} (the kernels' is {HEAD_DIM})"
-    elif not serves(x.device):
-        shipped = ", ".join(sorted({r["arch"] for r in records() if r["shipped"]})) or "none"
-        why = None if not x.is_cuda else (f"no kernels for {torch.cuda.get_device_name(x.device)} "
-                                          f"({running_arch(x.device)}; this install's: {shipped})")
-    elif x.dtype != torch.bfloat16:
-        why = f"{str(x.dtype).replace('torch.', '')} inputs (the kernels take bfloat16: cast them or run under torch.autocast)"
-    else:
+    if head_dim == HEAD_DIM and x.dtype == torch.bfloat16 and serves(x.device):
         return "cuda"
-    if why and x.is_cuda and not torch.compiler.is_compiling():
-        warnings.warn(f"backend='auto' runs kda_aot.reference (fp32 torch math, far slower than the kernels) on "
-                      f"{x.device}: {why}; pass backend='reference' to choose it", stacklevel=3)
+    if x.is_cuda and not torch.compiler.is_compiling():  # (the reason reads the manifest: not traceable)
+        warnings.warn(f"backend='auto' runs kda_aot.reference (torch math, far slower than the kernels) on "
+                      f"{x.device}: {_reference_reason(x, head_dim)}; pass backend='reference' to choose it",
+                      stacklevel=3)
     return "reference"
+
+
+def _reference_reason(x: torch.Tensor, head_dim: int) -> str:
+    """Why auto_backend sends a CUDA tensor x to the reference."""
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim} (the kernels' is {HEAD_DIM})"
+    if not serves(x.device):
+        shipped = ", ".join(sorted({r["arch"] for r in records() if r["shipped"]})) or "none"
+        return f"no kernels for {torch.cuda.get_device_name(x.device)} ({running_arch(x.device)}; this install's: {shipped})"
+    return f"{str(x.dtype).replace('torch.', '')} inputs (the kernels take bfloat16: cast them or run under torch.autocast)"

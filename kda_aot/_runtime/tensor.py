@@ -43,7 +43,7 @@ CPU_COUNTERPARTS = {
                  "[N, HV, K, V] (with state_v_first, pass initial_state.transpose(-1, -2) and transpose the final "
                  "state back); with use_qk_l2norm_in_kernel, use_gate_in_kernel or use_beta_sigmoid_in_kernel, "
                  "apply kda_aot.reference.l2norm, kda_gate(g, A_log, dt_bias, lower_bound) or beta_sigmoid(beta, "
-                 "allow_neg_eigval) to its inputs first",
+                 "allow_neg_eigval, dtype=torch.float64) to its inputs first",
     "causal_conv1d_silu": "kda_aot.reference.conv1d_silu is the same math in fp64 (with l2norm, apply "
                           "kda_aot.reference.l2norm to y.unflatten(-1, (-1, 128)) after it)",
     # chunk_kda(use_qk_l2norm_in_kernel=True) runs this op first; compiled, its refusal is the one a CPU call meets

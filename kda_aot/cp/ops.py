@@ -36,8 +36,8 @@ def _validate(q, k, v, g, beta, initial_state, plan: CPPlan) -> Optional[str]:
         if initial_state is not None:
             shape = (plan.num_docs, H, K, V)
             if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != shape:
-                return (f"initial_state must be a tensor {list(shape)} (one row per global "
-                        f"document), got {getattr(initial_state, 'shape', initial_state)}")
+                return (f"initial_state: expected a tensor of shape {list(shape)} (one row per global document), "
+                        f"got {getattr(initial_state, 'shape', initial_state)}")
     except Exception as e:  # pragma: no cover - defensive: report instead of raising alone
         return f"invalid input: {type(e).__name__}: {e}"
     return None
@@ -147,6 +147,11 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     """
     backend, scale = kda_config(q, plan, scale, backward, backend)
     group, _, _ = resolve_group(group)
+    try:
+        check_kda_shapes(q, k, v, g, beta, packed=True)
+    except (TypeError, ValueError):  # a rank must not raise alone: the op's agreement reports it on every rank
+        return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
+                      agree=True)
     g, beta = activate(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval,

@@ -96,9 +96,17 @@ def conv1d_silu_backward(x, weight, bias, cu_seqlens, dy, halo=None, *, need_dha
     return dx, dweight, dbias, dhalo
 
 
+def check_halo_rows(halo, n_docs: int, D: int) -> None:
+    """A halo of a row per document (before the op maps documents to the kernels' segments)."""
+    if halo is not None and tuple(halo.shape) != (n_docs, CONV_WIDTH - 1, D):
+        raise ValueError(f"halo: expected shape [N, 3, D] = [{n_docs}, {CONV_WIDTH - 1}, {D}] (the 3 tokens before "
+                         f"each document), got {list(halo.shape)}")
+
+
 def _segments(x, halo, cu_seqlens):
     """(the pack's tables, halo rows of its segments): the kernels see the non-empty documents only."""
     tables = pack_tables(cu_seqlens, x.shape[1], x.device)
+    check_halo_rows(halo, tables.n_docs, x.shape[2])
     return tables, tables.segment_rows(None if halo is None else halo.contiguous())
 
 
@@ -182,13 +190,10 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cu_seqlens = boundaries_tensor(cu_seqlens)
     _check(x, weight, bias, halo, cu_seqlens)
     form = conv_form(x, l2norm)
-    # Off the GPU, the refusal names the CPU counterpart after the checks of the boundaries' values and the halo's
-    # rows, which the op and its binding make on the GPU (traced, the op's binding refuses).
+    # Off the GPU, the refusal names the CPU counterpart after the checks the op makes first (the boundaries'
+    # values, the halo's rows); traced, the op's binding refuses.
     if not x.is_cuda and not torch.compiler.is_compiling() and not is_fake(x):
         if cu_seqlens.device.type == "cpu":
-            N = len(check_cu_seqlens(cu_seqlens, x.shape[1])) - 1
-            if halo is not None and tuple(halo.shape) != (N, CONV_WIDTH - 1, x.shape[2]):
-                raise ValueError(f"halo: expected shape [N, 3, D] = [{N}, {CONV_WIDTH - 1}, {x.shape[2]}] (the 3 "
-                                 f"tokens before each document), got {list(halo.shape)}")
+            check_halo_rows(halo, len(check_cu_seqlens(cu_seqlens, x.shape[1])) - 1, x.shape[2])
         require_cuda(x, "x", "causal_conv1d_silu")
     return conv1d_silu_fwd_op(x, weight, bias, halo, cu_seqlens, form)

@@ -55,8 +55,7 @@ def activate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_ga
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
     if use_gate_in_kernel:
-        check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
-        g = kda_gate(g, A_log, dt_bias, lower_bound)
+        g = kda_gate(g, A_log, dt_bias, lower_bound, safe_gate)
     else:
         for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
             if t is not None:

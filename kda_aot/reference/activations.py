@@ -78,9 +78,9 @@ def check_gate_args(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor
 
 
 def kda_gate(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-             lower_bound: Optional[float]) -> Tensor:
+             lower_bound: Optional[float], safe_gate: bool = False) -> Tensor:
     """The activated log decay [.., HV, K] in fp32 (fp64 for an fp64 g) from the raw gate g [.., HV, K]."""
-    check_gate_args(g, A_log, dt_bias, lower_bound)
+    check_gate_args(g, A_log, dt_bias, lower_bound, safe_gate)
     HV, K = g.shape[-2], g.shape[-1]
     work = _work_dtype(g)
     x = g.to(work)
