@@ -152,7 +152,7 @@ def chunk_kda_cp(q, k, v, g, beta, *, plan: CPPlan, group=None, scale: Optional[
     except (TypeError, ValueError):  # a rank must not raise alone: the op's agreement reports it on every rank
         return _apply(q, k, v, g, beta, plan, group, scale, initial_state, output_final_state, backward, backend,
                       agree=True)
-    g, beta = activate(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+    g, beta = activate(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval,
                        beta_dtype=beta.dtype if beta.dtype in (torch.float32, torch.float64) else torch.bfloat16)

@@ -106,7 +106,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     beta_kind = kda.BETA_PLAIN
     if use_beta_sigmoid_in_kernel:
         beta, beta_kind = kernel_beta(beta, allow_neg_eigval)
-    g, beta = activate(q, k, v, g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+    g, beta = activate(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, safe_gate=safe_gate, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                        allow_neg_eigval=allow_neg_eigval, beta_dtype=torch.bfloat16, raw_gate_in_kernels=len(gate_args) > 0,
                        beta_logits_in_kernels=beta_kind != kda.BETA_PLAIN)

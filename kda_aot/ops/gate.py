@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._runtime.tensor import check_kda_shapes
 from ..reference.activations import beta_sigmoid, check_gate_args, kda_gate
 from ..schedule.kda import BETA_SIGMOID, BETA_SIGMOID_2, GATE_SIGMOID, GATE_SOFTPLUS
 
@@ -41,17 +40,16 @@ def kernel_beta(b: Tensor, allow_neg_eigval: bool) -> tuple:
     return (b if b.dtype == torch.bfloat16 else b.float()), (BETA_SIGMOID_2 if allow_neg_eigval else BETA_SIGMOID)
 
 
-def activate(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
+def activate(g: Tensor, beta: Tensor, *, use_gate_in_kernel: bool, A_log, dt_bias,
              lower_bound, safe_gate: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
              beta_dtype: torch.dtype, raw_gate_in_kernels: bool = False,
              beta_logits_in_kernels: bool = False) -> tuple:
-    """FLA's per-token input activations, checked: (g as the log decay, beta). q, k [B, T, H, K], v [B, T, HV, V],
-    g [B, T, HV, K] and beta [B, T, HV] with HV a multiple of H (check_kda_shapes, any head dim); a narrower float
+    """FLA's per-token input activations, checked: (g as the log decay, beta), on shapes the caller checked
+    (check_kda_shapes: g [B, T, HV, K], beta [B, T, HV]); a narrower float
     g without use_gate_in_kernel is widened to fp32 exactly, unless raw_gate_in_kernels (kernel_gate's raw gate,
     which the kernels read as it is);
     beta_logits_in_kernels: beta is kernel_beta's logits, which the kernels activate (not activated here).
     Per token: under context parallelism each rank activates its own tokens."""
-    check_kda_shapes(q, k, v, g, beta, packed=False)  # first: the gate's parameters are checked against g's heads
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(b))")
     if use_gate_in_kernel:
